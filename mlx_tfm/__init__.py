@@ -1,0 +1,32 @@
+"""mlx_tfm: an on-device transformer runtime on MLX.
+
+Importing the package first routes MLX's CPU BLAS to an optimized library on Linux
+(see ``mlx_tfm.blas``); it must happen before ``mlx.core`` is imported anywhere.
+"""
+
+from .blas import route_blas
+
+route_blas()
+
+__version__ = "0.1.0"
+
+# The public API, imported lazily so `import mlx_tfm` stays cheap.
+_LAZY = {
+    "load": ("mlx_tfm.loading", "load"),
+    "Model": ("mlx_tfm.model", "Model"),
+    "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
+    "generate": ("mlx_tfm.generate", "generate"),
+    "stream_generate": ("mlx_tfm.generate", "stream_generate"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attr)
+    raise AttributeError(f"module 'mlx_tfm' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

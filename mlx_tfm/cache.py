@@ -1,0 +1,280 @@
+"""Key/value caches: one object per layer, made by ``Model.make_cache``.
+
+Keys and values are stored as the model computes them, ``(B, n_kv_heads, L, head_dim)``,
+RoPE already applied and the KV heads never repeated (the fused attention op handles
+GQA). A cache also answers which keys a new chunk of queries may see (``make_mask``),
+because only it knows which absolute positions its slots hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def window_mask(query_positions: mx.array, key_positions: mx.array, window: int | None, keep: int = 0) -> mx.array:
+    """Boolean mask (L, S): query i sees key j when j is not in its future and, with a
+    window, lies fewer than ``window`` positions back (or among the first ``keep``)."""
+    q = query_positions[:, None]
+    k = key_positions[None, :]
+    visible = k <= q
+    if window is not None:
+        visible = visible & ((q - k < window) | (k < keep))
+    return visible
+
+
+class KVCache:
+    """A cache that grows in steps of ``step`` positions and never forgets."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``(B, n_kv_heads, L, head_dim)`` keys/values; return all cached so far."""
+        previous = self.offset
+        length = keys.shape[2]
+        if self.keys is None or previous + length > self.keys.shape[2]:
+            B, n_kv_heads, _, k_head_dim = keys.shape
+            v_head_dim = values.shape[3]
+            n_new = ((length + self.step - 1) // self.step) * self.step
+            new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
+            new_values = mx.zeros((B, n_kv_heads, n_new, v_head_dim), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_keys, new_values
+            else:
+                self.keys = mx.concatenate([self.keys[..., :previous, :], new_keys], axis=2)
+                self.values = mx.concatenate([self.values[..., :previous, :], new_values], axis=2)
+        self.offset += length
+        self.keys[..., previous : self.offset, :] = keys
+        self.values[..., previous : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def make_mask(self, length: int, window: int | None = None):
+        """Mask for ``length`` new queries; ``"causal"`` lets the fused kernel build it."""
+        if window is None or self.offset + length <= window:
+            return "causal" if length > 1 else None
+        queries = mx.arange(self.offset, self.offset + length)
+        return window_mask(queries, mx.arange(self.offset + length), window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions (for undo and prompt-cache reuse)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            return ()
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values = value
+        self.offset = self.keys.shape[2]
+
+    @property
+    def meta_state(self) -> dict:
+        return {"kind": "KVCache"}
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RotatingKVCache:
+    """A cache bounded by ``max_size`` positions: the oldest are overwritten, except the
+    first ``keep`` (attention sinks, or a system prompt worth keeping).
+
+    Single tokens are written in place into a ring buffer. A multi-token chunk is
+    attended together with the whole window, then only the last ``max_size`` positions
+    are kept, so a long prompt is processed correctly in one call.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0):
+        if keep >= max_size:
+            raise ValueError(f"keep ({keep}) must be smaller than max_size ({max_size})")
+        self.max_size = max_size
+        self.keep = keep
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self._idx = 0  # the slot the next single token is written to
+
+    # -- the buffer in time order -------------------------------------------------
+    def _filled(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def _temporal(self, x: mx.array) -> mx.array:
+        x = x[..., : self._filled(), :]
+        if self.offset <= self.max_size or self._idx in (self.keep, self.max_size):
+            return x
+        # Slot _idx holds the oldest evictable position: [kept | oldest.. | ..newest]
+        return mx.concatenate(
+            [x[..., : self.keep, :], x[..., self._idx :, :], x[..., self.keep : self._idx, :]], axis=2
+        )
+
+    def _key_positions(self) -> mx.array:
+        """Absolute positions of the cached keys, in time order."""
+        if self.offset <= self.max_size:
+            return mx.arange(self.offset)
+        recent = mx.arange(self.offset - (self.max_size - self.keep), self.offset)
+        return mx.concatenate([mx.arange(self.keep), recent])
+
+    # -- the cache protocol -------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] == 1:
+            return self._update_one(keys, values)
+        return self._update_chunk(keys, values)
+
+    def _update_one(self, keys, values):
+        if self.keys is None or (self._filled() == self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            self._grow(keys, values)
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys[..., self._idx : self._idx + 1, :] = keys
+        self.values[..., self._idx : self._idx + 1, :] = values
+        self._idx += 1
+        self.offset += 1
+        n = self._filled()
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def _grow(self, keys, values):
+        B, n_kv_heads, _, k_head_dim = keys.shape
+        current = 0 if self.keys is None else self.keys.shape[2]
+        n_new = min(self.step, self.max_size - current)
+        new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
+        new_values = mx.zeros((B, n_kv_heads, n_new, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+        else:
+            self.keys = mx.concatenate([self.keys, new_keys], axis=2)
+            self.values = mx.concatenate([self.values, new_values], axis=2)
+
+    def _update_chunk(self, keys, values):
+        if self.keys is None:
+            all_keys, all_values = keys, values
+        else:
+            all_keys = mx.concatenate([self._temporal(self.keys), keys], axis=2)
+            all_values = mx.concatenate([self._temporal(self.values), values], axis=2)
+        self.offset += keys.shape[2]
+        # Keep the first `keep` positions and the most recent ones: (B, n_kv_heads, <=max_size, head_dim)
+        if all_keys.shape[2] > self.max_size:
+            recent = self.max_size - self.keep
+            self.keys = mx.concatenate([all_keys[..., : self.keep, :], all_keys[..., -recent:, :]], axis=2)
+            self.values = mx.concatenate([all_values[..., : self.keep, :], all_values[..., -recent:, :]], axis=2)
+        else:
+            self.keys, self.values = all_keys, all_values
+        self._idx = self.keys.shape[2]
+        return all_keys, all_values
+
+    def make_mask(self, length: int, window: int | None = None):
+        window = self.max_size if window is None else min(window, self.max_size)
+        if length == 1:
+            if window >= self.max_size:
+                return None  # after the write every cached position lies inside the window
+            return self._single_mask(window)
+        queries = mx.arange(self.offset, self.offset + length)
+        keys = mx.concatenate([self._key_positions(), queries])
+        return window_mask(queries, keys, window, self.keep)
+
+    def _single_mask(self, window):
+        # Positions per buffer slot after this token is written, in buffer order.
+        n = min(self.offset + 1, self.max_size)
+        slot = self.keep if self._idx == self.max_size else self._idx
+        positions = self._buffer_positions_after_write(n, slot)
+        return window_mask(mx.array([self.offset]), positions, window, self.keep)
+
+    def _buffer_positions_after_write(self, n, slot):
+        if self.offset + 1 <= self.max_size:
+            return mx.arange(n)
+        # Ring slots keep..max_size-1 hold consecutive positions ending at `offset` in `slot`.
+        ring = self.max_size - self.keep
+        slots = mx.arange(self.keep, self.max_size)
+        positions = self.offset - ((slot - slots) % ring)
+        return mx.concatenate([mx.arange(self.keep), positions])
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n) if self.is_trimmable() else 0
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return ()
+        n = self._filled()
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values = value
+
+    @property
+    def meta_state(self) -> dict:
+        return {
+            "kind": "RotatingKVCache",
+            "max_size": self.max_size,
+            "keep": self.keep,
+            "offset": self.offset,
+            "idx": self._idx,
+        }
+
+    @meta_state.setter
+    def meta_state(self, meta: dict):
+        self.max_size, self.keep = int(meta["max_size"]), int(meta["keep"])
+        self.offset, self._idx = int(meta["offset"]), int(meta["idx"])
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """Write a list of layer caches to a .safetensors file (atomically)."""
+    import json
+    import os
+
+    arrays = {}
+    for i, layer_cache in enumerate(cache):
+        for name, array in zip(("keys", "values"), layer_cache.state):
+            arrays[f"{i}.{name}"] = array
+    info = {"layers": json.dumps([c.meta_state for c in cache]), **(metadata or {})}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, metadata=info)
+    os.replace(tmp, path)
+
+
+def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
+    """Read a file written by ``save_prompt_cache``: (layer caches, user metadata)."""
+    import json
+
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    layers = json.loads(metadata.pop("layers"))
+    cache = []
+    for i, meta in enumerate(layers):
+        if meta["kind"] == "RotatingKVCache":
+            layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
+        else:
+            layer_cache = KVCache()
+        if f"{i}.keys" in arrays:
+            layer_cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+        if meta["kind"] == "RotatingKVCache":
+            layer_cache.meta_state = meta
+        cache.append(layer_cache)
+    return cache, metadata

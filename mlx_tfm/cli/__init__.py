@@ -1,0 +1,76 @@
+"""`mlx-tfm` console script: one subcommand per module, imported only when it runs.
+
+Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``. Heavy imports stay inside ``run`` so that ``mlx-tfm generate`` pays
+for MLX and nothing else (cold start is part of every command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import UserError
+
+SUBCOMMANDS = {
+    "info": "mlx_tfm.cli.info",
+    "generate": "mlx_tfm.cli.generate",
+    "chat": "mlx_tfm.cli.chat",
+    "convert": "mlx_tfm.cli.convert",
+    "train": "mlx_tfm.cli.train",
+    "lora": "mlx_tfm.cli.lora",
+    "fuse": "mlx_tfm.cli.fuse",
+}
+
+
+def _available_subcommands() -> dict:
+    modules = {}
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:  # a real import error inside the module
+                raise
+    return modules
+
+
+def build_parser(modules: dict) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-tfm", description="On-device transformer runtime on MLX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in modules.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the chosen subcommand's module is imported when it is named first.
+    if argv and argv[0] in SUBCOMMANDS:
+        try:
+            modules = {argv[0]: importlib.import_module(SUBCOMMANDS[argv[0]])}
+        except ModuleNotFoundError:
+            modules = _available_subcommands()
+    else:
+        modules = _available_subcommands()
+    parser = build_parser(modules)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

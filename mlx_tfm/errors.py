@@ -1,0 +1,9 @@
+"""The one exception type the command line turns into a one-line message."""
+
+
+class UserError(Exception):
+    """A problem the user can fix: bad path, corrupt file, unknown architecture, bad flag.
+
+    The CLI prints ``error: <message>`` and exits non-zero, without a traceback, so the
+    message must stand on its own: say what was wrong and, where it helps, what to do.
+    """

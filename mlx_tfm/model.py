@@ -1,0 +1,321 @@
+"""The Transformer, as the classic explanations draw it, in one configurable implementation.
+
+Every variant (RMSNorm or LayerNorm; pre-, post- or sandwich norm; SwiGLU, GeGLU, GELU,
+ReLU; MHA, MQA, GQA; RoPE, learned or sinusoidal positions; tied embeddings; biases;
+soft-capping) is a field of the frozen ``ModelArgs``. This file holds only math: loading,
+converting and sampling live elsewhere. Parameter names follow Hugging Face's Llama
+(``model.layers.N.self_attn.q_proj``...), so checkpoints load by near-copy.
+
+Shapes: B batch, L new positions, S cached positions, D hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache, RotatingKVCache, window_mask
+from .positions import SinusoidalPositions, make_rope
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 0  # 0: derived by from_dict (= num_attention_heads, MHA)
+    head_dim: int = 0  # 0: derived by from_dict (= hidden_size // num_attention_heads)
+    intermediate_size: int = 11008
+    # normalisation
+    norm_type: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only
+    norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
+    norm_placement: str = "pre"  # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2)
+    final_norm: bool = True
+    # feed-forward
+    hidden_act: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    ffn_gated: bool = True  # act(gate(x)) * up(x): SwiGLU with silu, GeGLU with gelu
+    mlp_bias: bool = False
+    # attention
+    attention_bias: bool = False  # q, k, v projections
+    attention_out_bias: bool = False  # o projection
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    attention_scale: float = 0.0  # 0: derived (1/sqrt(head_dim))
+    attn_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"
+    # positions
+    position_embedding: str = "rope"  # "rope" | "learned" | "sinusoidal" | "none"
+    rope_theta: float = 10000.0
+    rope_traditional: bool = False  # True: rotate adjacent pairs (GPT-J, llama2.c)
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3"|"yarn", ...}
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    # embeddings and head
+    tie_word_embeddings: bool = True
+    embedding_scale: float | None = None  # Gemma: sqrt(hidden_size)
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a dict, ignoring unknown keys and deriving the defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in params.items() if k in names and v is not None}
+        n_heads = values.get("num_attention_heads", cls.num_attention_heads)
+        hidden = values.get("hidden_size", cls.hidden_size)
+        n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
+        values.setdefault("num_key_value_heads", n_heads)
+        values["num_key_value_heads"] = values["num_key_value_heads"] or n_heads
+        values["head_dim"] = values.get("head_dim") or hidden // n_heads
+        values["attention_scale"] = values.get("attention_scale") or values["head_dim"] ** -0.5
+        window = values.get("sliding_window")
+        default_type = "sliding_attention" if window else "full_attention"
+        values["layer_types"] = tuple(values.get("layer_types") or (default_type,) * n_layers)
+        if len(values["layer_types"]) != n_layers:
+            raise ValueError(f"layer_types has {len(values['layer_types'])} entries for {n_layers} layers")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+
+# -- building blocks ---------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float, weight_offset: float = 0.0):
+        super().__init__()
+        self.weight = mx.ones((dims,)) if weight_offset == 0 else mx.zeros((dims,))
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self.weight + self.weight_offset if self.weight_offset else self.weight
+        return mx.fast.rms_norm(x, weight, self.eps)
+
+
+def make_norm(args: ModelArgs, dims: int | None = None) -> nn.Module:
+    dims = dims or args.hidden_size
+    if args.norm_type == "rmsnorm":
+        return RMSNorm(dims, args.norm_eps, args.norm_weight_offset)
+    if args.norm_type == "layernorm":
+        return nn.LayerNorm(dims, eps=args.norm_eps, bias=args.norm_bias)
+    raise ValueError(f"unknown norm_type {args.norm_type!r} (rmsnorm, layernorm)")
+
+
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu": nn.gelu,  # exact, through erf
+    "gelu_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))
+    "relu": nn.relu,
+}
+
+
+class MLP(nn.Module):
+    """The position-wise FFN: gated (SwiGLU, GeGLU) or the classic two-layer form."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unknown hidden_act {args.hidden_act!r} ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[args.hidden_act]
+        self.gated = args.ffn_gated
+        D, F, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        if self.gated:
+            self.gate_proj = nn.Linear(D, F, bias=bias)
+        self.up_proj = nn.Linear(D, F, bias=bias)
+        self.down_proj = nn.Linear(F, D, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) -> mx.array:
+    """Attention with tanh soft-capped scores (Gemma 2), which the fused kernel lacks.
+
+    GQA without repeating KV heads: queries are grouped (B, n_kv_heads, n_rep, L, head_dim)
+    and broadcast against keys (B, n_kv_heads, 1, S, head_dim).
+    """
+    B, n_heads, L, head_dim = queries.shape
+    n_kv_heads, S = keys.shape[1], keys.shape[2]
+    queries = queries.reshape(B, n_kv_heads, n_heads // n_kv_heads, L, head_dim)
+    keys, values = keys[:, :, None], values[:, :, None]
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)  # (B, n_kv_heads, n_rep, L, S)
+    scores = mx.tanh(scores / cap) * cap
+    if isinstance(mask, str):
+        mask = window_mask(mx.arange(S - L, S), mx.arange(S), None)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ values).reshape(B, n_heads, L, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        D = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.attention_scale
+        self.softcap = args.attn_logit_softcapping
+        self.q_proj = nn.Linear(D, self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=args.attention_out_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_weight_offset)
+        self.qk_norm = args.qk_norm
+        self.rope = make_rope(args) if args.position_embedding == "rope" else None
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        # (B, L, n_heads * head_dim) -> (B, L, n_heads, head_dim)
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        # -> (B, heads, L, head_dim), the layout attention and the cache work in
+        queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
+        if self.rope is not None:
+            offset = cache.offset if cache is not None else 0
+            queries, keys = self.rope(queries, offset), self.rope(keys, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        if self.softcap:
+            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap)
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.placement = args.norm_placement
+        if self.placement not in ("pre", "post", "sandwich"):
+            raise ValueError(f"unknown norm_placement {self.placement!r} (pre, post, sandwich)")
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = make_norm(args)
+        self.post_attention_layernorm = make_norm(args)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = make_norm(args)
+            self.post_feedforward_layernorm = make_norm(args)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.placement == "pre":
+            # The residual stream as the seed draws it: each sublayer adds to x.
+            h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        if self.placement == "post":
+            # The original Transformer: normalise after each residual addition.
+            h = self.input_layernorm(x + self.self_attn(x, mask, cache))
+            return self.post_attention_layernorm(h + self.mlp(h))
+        # Gemma 2: normalise each sublayer's input and its output.
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class TransformerModel(nn.Module):
+    """Embeddings, the stack of blocks, the final norm: ``model.*`` in checkpoints."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if args.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        elif args.position_embedding == "sinusoidal":
+            self.sinusoidal = SinusoidalPositions(args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
+        if args.final_norm:
+            self.norm = make_norm(args)
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        B, L = inputs.shape
+        h = self.embed_tokens(inputs)  # (B, L, D)
+        if self.args.embedding_scale is not None:
+            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        offset = cache[0].offset if cache is not None else 0
+        if self.args.position_embedding == "learned":
+            h = h + self.embed_positions(mx.arange(offset, offset + L))
+        elif self.args.position_embedding == "sinusoidal":
+            h = h + self.sinusoidal(offset, L).astype(h.dtype)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, layer_cache, window in zip(self.layers, cache, self.windows):
+            layer_mask = mask if mask is not None else self._mask(L, layer_cache, window)
+            h = layer(h, layer_mask, layer_cache)
+        return self.norm(h) if self.args.final_norm else h
+
+    @staticmethod
+    def _mask(length: int, cache, window: int | None):
+        if cache is not None:
+            return cache.make_mask(length, window)
+        if window is not None and length > window:
+            positions = mx.arange(length)
+            return window_mask(positions, positions, window)
+        return "causal" if length > 1 else None
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if not args.num_key_value_heads or not args.head_dim or not args.attention_scale:
+            raise ValueError("build ModelArgs with ModelArgs.from_dict, which derives head_dim and friends")
+        if args.num_attention_heads % args.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.args = args
+        self.model = TransformerModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab_size)."""
+        h = self.model(inputs, mask, cache)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
+        """One cache per layer. Sliding-window layers never need more than their window;
+        ``max_kv_size`` bounds every layer with a rotating cache."""
+        caches = []
+        for window in self.model.windows:
+            bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
+            caches.append(RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache())
+        return caches
+
+
+def count_parameters(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+__all__ = ["ModelArgs", "Model", "count_parameters"]
