@@ -1,0 +1,34 @@
+"""Shared fixtures. ``mlx_tfm`` is imported before MLX so the optimized BLAS routing runs
+first, as it does for users."""
+
+from pathlib import Path
+
+import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
+import pytest
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def data_path(*parts: str) -> Path:
+    """A fixture file from ../shared/data; a missing one fails the test loudly."""
+    path = DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.fail(f"test fixture {path} is missing: the tests need ../shared/data beside the checkout")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_hf() -> Path:
+    return data_path("stories260K-hf")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    return data_path("stories260K")
+
+
+@pytest.fixture(scope="session")
+def golden(stories_dir) -> dict:
+    import json
+
+    return json.loads((stories_dir / "greedy_reference.json").read_text())
