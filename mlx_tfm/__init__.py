@@ -10,13 +10,16 @@ route_blas()
 
 __version__ = "0.1.0"
 
-# The public API, imported lazily so `import mlx_tfm` stays cheap.
+# `generate` is both a submodule and a function: importing the submodule binds the
+# package attribute `generate` to the module, so a lazy function would be shadowed by it.
+# Importing the functions here (mlx.core, after route_blas) binds the name to the function.
+from .generate import generate, stream_generate  # noqa: E402
+
+# The rest of the public API, imported lazily so `import mlx_tfm` stays cheap.
 _LAZY = {
     "load": ("mlx_tfm.loading", "load"),
     "Model": ("mlx_tfm.model", "Model"),
     "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
-    "generate": ("mlx_tfm.generate", "generate"),
-    "stream_generate": ("mlx_tfm.generate", "stream_generate"),
 }
 
 
@@ -29,4 +32,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mlx_tfm' has no attribute {name!r}")
 
 
-__all__ = list(_LAZY)
+__all__ = [*_LAZY, "generate", "stream_generate"]

@@ -216,8 +216,8 @@ class SentencePieceBackend:
     def default_eos(self) -> int | None:
         return self.sp.eos_id() if self.sp.eos_id() >= 0 else None
 
-    def make_detokenizer(self, token_bytes: list[bytes]):
-        return StreamingDetokenizer(token_bytes, trim_leading_space=True)
+    def make_detokenizer(self, token_bytes: list[bytes], at_start_of_text: bool):
+        return StreamingDetokenizer(token_bytes, trim_leading_space=at_start_of_text)
 
     def token_bytes(self) -> list[bytes]:
         table = []
@@ -272,10 +272,11 @@ class HFTokenizersBackend:
     def default_eos(self) -> int | None:
         return None
 
-    def make_detokenizer(self, token_bytes: list[bytes] | None):
+    def make_detokenizer(self, token_bytes: list[bytes] | None, at_start_of_text: bool):
         if self.decoder_kind == "other":
             return LibraryStreamingDetokenizer(self.tokenizer)
-        return StreamingDetokenizer(token_bytes, trim_leading_space=self.decoder_kind == "metaspace-strip")
+        trim = at_start_of_text and self.decoder_kind == "metaspace-strip"
+        return StreamingDetokenizer(token_bytes, trim_leading_space=trim)
 
     def token_bytes(self) -> list[bytes] | None:
         if self.decoder_kind == "other":
@@ -345,10 +346,17 @@ class Tokenizer:
 
     @property
     def detokenizer(self):
-        """A fresh streaming detokenizer (see ``StreamingDetokenizer``)."""
+        """A fresh streaming detokenizer (see ``StreamingDetokenizer``); its text equals
+        ``decode(ids)`` of the ids fed to it."""
+        return self.make_detokenizer(at_start_of_text=True)
+
+    def make_detokenizer(self, at_start_of_text: bool = True):
+        """A fresh streaming detokenizer. ``at_start_of_text=False`` continues text that
+        is already there (a prompt): SentencePiece's leading space before the first word
+        is then kept (" there" after "Once upon a time"), not trimmed as ``decode`` does."""
         if self._token_bytes is None:
             self._token_bytes = self._backend.token_bytes()
-        return self._backend.make_detokenizer(self._token_bytes)
+        return self._backend.make_detokenizer(self._token_bytes, at_start_of_text)
 
     # chat
     @property

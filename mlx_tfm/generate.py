@@ -1,0 +1,360 @@
+"""Text generation, in layers: prefill -> decode step -> ``generate_step`` (token ids) ->
+``stream_generate`` (text pieces and statistics) -> ``generate`` (one string).
+
+The cache invariant, which the chat REPL relies on: ``generate_step`` and
+``stream_generate`` process only the tokens they are given, on top of whatever a passed
+``prompt_cache`` already holds, and when they stop (finished, or closed early by the
+caller) the cache holds the prompt and *every token yielded so far*, the last one
+included (also an EOS token or the token that completed a stop string). So
+``cache[0].offset == offset_before + len(prompt_tokens) + tokens_yielded``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from .cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+from .errors import UserError
+from .sample import LogitsProcessor, Sampler, greedy
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResponse:
+    """One step of ``stream_generate``.
+
+    ``text`` is the new text this token completed (often "" while a character or a
+    possible stop string is held back); ``token`` the id sampled; ``logprobs`` the
+    log-probabilities over the vocabulary it was sampled from, shape (V,);
+    ``finish_reason`` is "stop" (EOS or a stop string), "length" (max_tokens or the
+    model's context) or None while generating. Speeds are tokens per second;
+    ``peak_memory`` is in GB.
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+# -- checks ------------------------------------------------------------------------------
+
+
+def check_vocabulary(model, tokenizer: Tokenizer) -> None:
+    """A tokenizer with more ids than the model has embeddings would index past them."""
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise UserError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.args.vocab_size}: "
+            "they do not belong together"
+        )
+
+
+def is_bounded(cache: list) -> bool:
+    """Whether every layer forgets old positions, so any length fits."""
+    return all(isinstance(c, RotatingKVCache) for c in cache)
+
+
+def context_room(model, cache: list, n_prompt: int) -> int | None:
+    """How many tokens may still be generated after the prompt (None: unbounded)."""
+    args = model.args
+    if is_bounded(cache) and args.position_embedding != "learned":
+        return None
+    used = cache[0].offset + n_prompt
+    if used >= args.max_position_embeddings:
+        raise UserError(
+            f"the prompt is {n_prompt} tokens (after {cache[0].offset} cached) but the model's context is "
+            f"{args.max_position_embeddings}: shorten it or pass --max-kv-size for a rotating cache"
+        )
+    return args.max_position_embeddings - used
+
+
+def check_prompt_tokens(prompt: mx.array, vocab_size: int) -> None:
+    if prompt.size == 0:
+        raise UserError("the prompt is empty: give some text (or token ids) to continue")
+    if prompt.min().item() < 0 or prompt.max().item() >= vocab_size:
+        raise UserError(f"the prompt holds token ids outside the model's vocabulary of {vocab_size}")
+
+
+# -- the decoding loop -------------------------------------------------------------------
+
+
+def prefill(model, tokens: mx.array, cache: list, step_size: int = 512) -> None:
+    """Run ``tokens`` (L,) through the model in chunks of ``step_size``, filling ``cache``.
+    The logits are not needed: only the cache is evaluated."""
+    for start in range(0, tokens.shape[0], step_size):
+        model(tokens[None, start : start + step_size], cache=cache)  # (1, chunk)
+        mx.eval([c.state for c in cache])
+        mx.clear_cache()
+
+
+def generate_step(
+    prompt: mx.array,
+    model,
+    *,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    max_kv_size: int | None = None,
+    prefill_step_size: int = 512,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield ``(token, logprobs (V,))`` for up to ``max_tokens`` new tokens after ``prompt`` (L,).
+
+    The next step is queued (``mx.async_eval``) before the current token is handed out,
+    so the model computes while the caller detokenizes and prints.
+    """
+    sampler = sampler or greedy
+    cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
+    step = make_step(model, cache, sampler, logits_processors, prompt)
+
+    prefill(model, prompt[:-1], cache, prefill_step_size)
+    token, logprobs = step(prompt[-1:])
+    mx.async_eval(token, logprobs)
+    for n in range(max_tokens):
+        # Queue the forward pass of this token before waiting for it: also for the last
+        # one, so that the cache always holds every token yielded.
+        next_token, next_logprobs = step(token)
+        mx.async_eval(next_token, next_logprobs)
+        yield token.item(), logprobs
+        token, logprobs = next_token, next_logprobs
+
+
+def make_step(model, cache: list, sampler: Sampler, logits_processors: list[LogitsProcessor] | None,
+              prompt: mx.array) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """One decode step ``token (1,) -> (next token (1,), logprobs (V,))``, chosen once:
+    without processors no token history is kept at all."""
+
+    def logprobs_of(token: mx.array, logits_transform=None):
+        logits = model(token[None], cache=cache)[:, -1, :]  # (1, V)
+        if logits_transform is not None:
+            logits = logits_transform(logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    if not logits_processors:
+
+        def step(token):
+            logprobs = logprobs_of(token)
+            return sampler(logprobs), logprobs[0]
+
+        return step
+
+    history = [prompt[:-1]]  # the context the processors see, without the token being fed
+
+    def step_with_processors(token):
+        history.append(token)
+        context = mx.concatenate(history)
+        history[:] = [context]
+
+        def process(logits):
+            for processor in logits_processors:
+                logits = processor(context, logits)
+            return logits
+
+        logprobs = logprobs_of(token, process)
+        return sampler(logprobs), logprobs[0]
+
+    return step_with_processors
+
+
+# -- text --------------------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | mx.array) -> mx.array:
+    """Token ids (L,) of a prompt; text gets BOS unless it already starts with it (as a
+    rendered chat template does)."""
+    if isinstance(prompt, str):
+        bos = tokenizer.special_tokens.get("bos_token")
+        add_special = not (bos and prompt.startswith(bos))
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(prompt, dtype=mx.int32).reshape(-1)
+
+
+class StopStringFilter:
+    """Holds back text that could be the start of a stop string; reports a stop string
+    as soon as it is complete, returning the text before it."""
+
+    def __init__(self, stop_strings: list[str]):
+        self.stop_strings = [s for s in stop_strings if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stop_strings) if i >= 0]
+        if found:
+            out, self.pending = self.pending[: min(found)], ""
+            return out, True
+        hold = max((k for s in self.stop_strings for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def stream_generate(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[int] | mx.array,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    max_kv_size: int | None = None,
+    prefill_step_size: int = 512,
+    stop_strings: list[str] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Yield a ``GenerationResponse`` per generated token, the last one with a
+    ``finish_reason``. Stops on the tokenizer's EOS ids (not shown) and on
+    ``stop_strings`` (not shown either). See the module docstring for what the
+    ``prompt_cache`` holds afterwards."""
+    check_vocabulary(model, tokenizer)
+    prompt_tokens = encode_prompt(tokenizer, prompt)
+    check_prompt_tokens(prompt_tokens, model.args.vocab_size)
+    cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
+    room = context_room(model, cache, prompt_tokens.size)
+    if room is not None and room < max_tokens:
+        max_tokens = room
+    last_prompt_text = tokenizer.decode(prompt_tokens[-1:].tolist())
+    detokenizer = tokenizer.make_detokenizer(at_start_of_text=last_prompt_text == "")
+    stops = StopStringFilter(stop_strings or [])
+    eos = tokenizer.eos_token_ids
+
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    tokens = generate_step(
+        prompt_tokens, model, max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+        prompt_cache=cache, prefill_step_size=prefill_step_size,
+    )
+    prompt_tps, generation_start = 0.0, start
+    n = 0
+    for n, (token, logprobs) in enumerate(tokens, start=1):
+        if n == 1:
+            generation_start = time.perf_counter()
+            prompt_tps = prompt_tokens.size / (generation_start - start)
+        check_finite(logprobs, token)
+        finish_reason = None
+        if token in eos:
+            text, finish_reason = stops.flush() + finalize(detokenizer), "stop"
+        else:
+            detokenizer.add_token(token)
+            text, stopped = stops.push(detokenizer.last_segment)
+            finish_reason = "stop" if stopped else None
+        if finish_reason is None and n == max_tokens:
+            tail, stopped = stops.push(finalize(detokenizer))
+            text += tail + ("" if stopped else stops.flush())
+            finish_reason = "stop" if stopped else "length"
+        elapsed = time.perf_counter() - generation_start
+        yield GenerationResponse(
+            text=text, token=token, logprobs=logprobs, prompt_tokens=prompt_tokens.size, prompt_tps=prompt_tps,
+            generation_tokens=n, generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason,
+        )
+        if finish_reason is not None:
+            tokens.close()
+            return
+
+
+def finalize(detokenizer) -> str:
+    detokenizer.finalize()
+    return detokenizer.last_segment
+
+
+def check_finite(logprobs: mx.array, token: int) -> None:
+    """NaN anywhere in the logits makes every log-probability NaN (through the
+    log-sum-exp), so looking at the chosen token's is enough."""
+    value = logprobs[token].item()
+    if value != value:
+        raise UserError("the model produced NaN logits: its weights are broken or overflow in this dtype")
+
+
+def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
+    """The generated text as one string (``kwargs`` as for ``stream_generate``); with
+    ``verbose``, stream it to stdout and print the statistics."""
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print()
+        print(format_stats(response))
+    return text
+
+
+def format_stats(response: GenerationResponse) -> str:
+    return (
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
+        f"Peak memory: {response.peak_memory:.3f} GB"
+    )
+
+
+# -- prompt cache files ------------------------------------------------------------------
+
+
+def model_fingerprint(model) -> str:
+    """What a prompt cache depends on: the architecture and the weights' dtype."""
+    dtype = str(model.model.embed_tokens.weight.dtype)
+    return json.dumps({"args": model.args.to_dict(), "dtype": dtype}, sort_keys=True)
+
+
+def reuse_prompt_cache_file(path: str | Path, model, prompt_tokens: list[int],
+                            max_kv_size: int | None = None) -> tuple[list, list[int]]:
+    """A cache for ``prompt_tokens`` starting from the file's cached prefix: returns
+    (cache, the prompt tokens still to process). At least the last prompt token is always
+    left to process, since its logits give the first new token. A missing file, or one
+    that shares nothing usable, gives a fresh cache and the whole prompt."""
+    path = Path(path)
+    fresh = model.make_cache(max_kv_size), list(prompt_tokens)
+    if not path.is_file():
+        return fresh
+    try:
+        cache, metadata = load_prompt_cache(path)
+        cached_tokens = json.loads(metadata["tokens"])
+        fingerprint = metadata["model"]
+    except Exception as e:
+        raise UserError(f"{path} is not a prompt cache file written by mlx-tfm ({e})") from None
+    if fingerprint != model_fingerprint(model):
+        raise UserError(f"{path} was written for a different model (or dtype); delete it or pick another file")
+    common = 0
+    for cached, new in zip(cached_tokens, prompt_tokens[:-1]):
+        if cached != new:
+            break
+        common += 1
+    excess = cache[0].offset - common
+    if common == 0 or any(c.trim(excess) != excess for c in cache):
+        return fresh
+    return cache, list(prompt_tokens[common:])
+
+
+def save_prompt_cache_file(path: str | Path, model, cache: list, tokens: list[int]) -> None:
+    """Write ``cache`` (holding exactly ``tokens``) for ``reuse_prompt_cache_file``."""
+    if cache[0].offset != len(tokens):
+        raise ValueError(f"the cache holds {cache[0].offset} positions, not the {len(tokens)} tokens given")
+    save_prompt_cache(path, cache, metadata={"tokens": json.dumps(tokens), "model": model_fingerprint(model)})
+
+
+__all__ = [
+    "GenerationResponse",
+    "generate",
+    "stream_generate",
+    "generate_step",
+    "prefill",
+    "reuse_prompt_cache_file",
+    "save_prompt_cache_file",
+]
