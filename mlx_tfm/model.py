@@ -38,6 +38,7 @@ class ModelArgs:
     norm_bias: bool = True  # LayerNorm only
     norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
     norm_placement: str = "pre"  # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2)
+    residual: bool = True  # False drops the skip connections (a gradient-flow ablation)
     final_norm: bool = True
     # feed-forward
     hidden_act: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
@@ -208,6 +209,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.placement = args.norm_placement
+        self.residual = args.residual
         if self.placement not in ("pre", "post", "sandwich"):
             raise ValueError(f"unknown norm_placement {self.placement!r} (pre, post, sandwich)")
         self.self_attn = Attention(args, layer_idx)
@@ -219,6 +221,8 @@ class TransformerBlock(nn.Module):
             self.post_feedforward_layernorm = make_norm(args)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not self.residual:
+            return self._without_residual(x, mask, cache)
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
             h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -230,6 +234,15 @@ class TransformerBlock(nn.Module):
         # Gemma 2: normalise each sublayer's input and its output.
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def _without_residual(self, x: mx.array, mask, cache) -> mx.array:
+        """The same sublayers and norms with no skip connections: each sublayer's output
+        replaces the stream instead of adding to it (only for gradient-flow experiments)."""
+        if self.placement == "post":
+            h = self.input_layernorm(self.self_attn(x, mask, cache))
+            return self.post_attention_layernorm(self.mlp(h))
+        h = self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.mlp(self.post_attention_layernorm(h))
 
 
 class TransformerModel(nn.Module):
