@@ -1,0 +1,255 @@
+"""LoRA and DoRA as module surgery, and adapters that save and load through the same surgery.
+
+LoRA (Hu et al. 2021) keeps a linear layer's weight W (out, in) frozen and learns a
+low-rank update: ``y = x W^T + scale * (x A) B`` with A (in, r), B (r, out). B starts at
+zero, so a fresh adapter leaves the model's outputs unchanged. DoRA (Liu et al. 2024)
+also learns a per-output magnitude m: ``y = m / ||W + scale B^T A^T||_row * (x W'^T)``.
+A quantized base (QLoRA) works the same way: only A, B (and m) are trained.
+
+Parameter and file names follow mlx-lm (``lora_a``, ``lora_b``, ``m``, ``linear``;
+``adapters.safetensors`` and ``adapter_config.json``), so adapters move between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import UserError
+from ..files import atomic_file
+
+ADAPTER_WEIGHTS = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+LORA_DEFAULTS = {"rank": 8, "scale": 20.0, "dropout": 0.0}
+
+
+def dense_weight(linear: nn.Module) -> mx.array:
+    """The (out, in) float weight of a Linear or a QuantizedLinear."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        )
+    return linear.weight
+
+
+def linear_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims); a quantized weight packs 32 // bits values per uint32."""
+    out_dims, packed = linear.weight.shape
+    in_dims = packed * 32 // linear.bits if isinstance(linear, nn.QuantizedLinear) else packed
+    return in_dims, out_dims
+
+
+class LoRALinear(nn.Module):
+    @classmethod
+    def from_base(cls, linear: nn.Module, rank: int = 8, scale: float = 20.0, dropout: float = 0.0):
+        in_dims, out_dims = linear_dims(linear)
+        lora = cls(in_dims, out_dims, rank, scale, dropout)
+        lora.linear = linear
+        return lora
+
+    def __init__(self, input_dims: int, output_dims: int, rank: int = 8, scale: float = 20.0, dropout: float = 0.0):
+        super().__init__()
+        self.linear = nn.Linear(input_dims, output_dims, bias=False)
+        self.dropout = nn.Dropout(p=dropout)
+        self.scale = scale
+        bound = 1.0 / math.sqrt(input_dims)
+        self.lora_a = mx.random.uniform(-bound, bound, (input_dims, rank))
+        self.lora_b = mx.zeros((rank, output_dims))
+
+    def delta(self) -> mx.array:
+        """The update this adapter adds to the (out, in) weight."""
+        return self.scale * (self.lora_b.T @ self.lora_a.T).astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+        return y + (self.scale * z).astype(x.dtype)
+
+    def fuse(self, dequantize: bool = False) -> nn.Module:
+        """The plain (or re-quantized) linear layer with the update folded into W."""
+        weight = dense_weight(self.linear)
+        fused = (weight.astype(mx.float32) + self.delta()).astype(weight.dtype)
+        return _rebuild(self.linear, fused, dequantize)
+
+
+class DoRALinear(LoRALinear):
+    def __init__(self, input_dims: int, output_dims: int, rank: int = 8, scale: float = 20.0, dropout: float = 0.0):
+        super().__init__(input_dims, output_dims, rank, scale, dropout)
+        self.m = mx.ones((output_dims,))
+
+    @classmethod
+    def from_base(cls, linear: nn.Module, rank: int = 8, scale: float = 20.0, dropout: float = 0.0):
+        dora = super().from_base(linear, rank, scale, dropout)
+        dora.m = mx.linalg.norm(dense_weight(linear).astype(mx.float32), axis=1)
+        return dora
+
+    def _adapted_weight(self) -> mx.array:
+        return dense_weight(self.linear).astype(mx.float32) + self.delta()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        bias = self.linear.get("bias")
+        y = self.linear(x)
+        if bias is not None:
+            y = y - bias
+        z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+        y = y + (self.scale * z).astype(x.dtype)
+        # Rescale each output row to the learned magnitude; the norm carries no gradient
+        # (the DoRA paper's memory-saving choice, which mlx-lm also makes).
+        norm = mx.stop_gradient(mx.linalg.norm(self._adapted_weight(), axis=1))
+        y = (self.m / norm).astype(x.dtype) * y
+        return y if bias is None else y + bias
+
+    def fuse(self, dequantize: bool = False) -> nn.Module:
+        weight = self._adapted_weight()
+        fused = (self.m / mx.linalg.norm(weight, axis=1))[:, None] * weight
+        return _rebuild(self.linear, fused.astype(dense_weight(self.linear).dtype), dequantize)
+
+
+def _rebuild(base: nn.Module, weight: mx.array, dequantize: bool) -> nn.Module:
+    out_dims, in_dims = weight.shape
+    bias = base.get("bias")
+    linear = nn.Linear(in_dims, out_dims, bias=bias is not None)
+    linear.weight = weight
+    if bias is not None:
+        linear.bias = bias
+    if isinstance(base, nn.QuantizedLinear) and not dequantize:
+        return nn.QuantizedLinear.from_linear(linear, base.group_size, base.bits, base.mode)
+    return linear
+
+
+ADAPTER_CLASSES = {"lora": LoRALinear, "dora": DoRALinear}
+
+
+def linear_keys(layer: nn.Module) -> list[str]:
+    """Names of the linear layers inside one block: mlx-lm's default LoRA targets."""
+    return [name for name, m in layer.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+
+
+def apply_lora(
+    model: nn.Module,
+    num_layers: int = 16,
+    fine_tune_type: str = "lora",
+    rank: int = 8,
+    scale: float = 20.0,
+    dropout: float = 0.0,
+    keys: list[str] | None = None,
+) -> None:
+    """Freeze the model, then make the last ``num_layers`` blocks trainable: adapters on the
+    ``keys`` linears (lora, dora) or the whole blocks (full). ``num_layers <= 0``: all."""
+    if fine_tune_type not in FINE_TUNE_TYPES:
+        raise UserError(f"unknown fine-tune type {fine_tune_type!r} ({', '.join(FINE_TUNE_TYPES)})")
+    model.freeze()
+    layers = model.layers[-num_layers:] if num_layers > 0 else model.layers
+    if fine_tune_type == "full":
+        if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+            raise UserError("full fine-tuning needs a float model; use --fine-tune-type lora for a quantized one")
+        for layer in layers:
+            layer.unfreeze()
+        return
+    available = linear_keys(model.layers[0])
+    keys = list(keys) if keys else available
+    unknown = sorted(set(keys) - set(available))
+    if unknown:
+        raise UserError(f"unknown LoRA key(s) {', '.join(unknown)}; the blocks have: {', '.join(available)}")
+    adapter = ADAPTER_CLASSES[fine_tune_type]
+    for layer in layers:
+        modules = dict(layer.named_modules())
+        replaced = [(k, adapter.from_base(modules[k], rank, scale, dropout)) for k in keys]
+        layer.update_modules(tree_unflatten(replaced))
+
+
+def fuse_adapters(model: nn.Module, dequantize: bool = False) -> None:
+    """Replace every adapter by its fused linear layer, in place."""
+    fused = [(name, m.fuse(dequantize)) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    if dequantize:
+        dequantized = [
+            (name, _rebuild(m, dense_weight(m), True))
+            for name, m in model.named_modules()
+            if isinstance(m, nn.QuantizedLinear)
+        ]
+        if dequantized:
+            model.update_modules(tree_unflatten(dequantized))
+
+
+def adapter_config(fine_tune_type: str, num_layers: int, lora_parameters: dict, **extra) -> dict:
+    """The adapter_config.json mlx-lm writes and reads (it keeps the training arguments)."""
+    return {"fine_tune_type": fine_tune_type, "num_layers": num_layers, "lora_parameters": lora_parameters, **extra}
+
+
+def save_adapters(folder: str | Path, model: nn.Module, config: dict) -> None:
+    """Write the trainable weights and the config that rebuilds them, each atomically."""
+    folder = Path(folder)
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    with atomic_file(folder / ADAPTER_WEIGHTS) as tmp:
+        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    with atomic_file(folder / ADAPTER_CONFIG) as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_adapter_config(folder: Path) -> dict:
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise UserError(f"adapter path {folder} has no {ADAPTER_CONFIG}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if config.get("fine_tune_type", "lora") not in FINE_TUNE_TYPES:
+        raise UserError(f"{path}: unknown fine_tune_type {config.get('fine_tune_type')!r}")
+    return config
+
+
+def load_adapter_weights(model: nn.Module, weights_path: Path) -> None:
+    """Load adapter weights onto an already-adapted model; every name must exist with its shape."""
+    if not weights_path.is_file():
+        raise UserError(f"adapter weights {weights_path} not found")
+    try:
+        weights = mx.load(str(weights_path))
+    except Exception as e:
+        raise UserError(f"{weights_path} is not a readable safetensors file ({e})") from None
+    expected = dict(tree_flatten(model.parameters()))
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        raise UserError(f"{weights_path} has {len(unknown)} tensor(s) the model lacks, e.g. {unknown[0]}")
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise UserError(f"{weights_path}: shape mismatch for {name}: {tuple(value.shape)} vs {tuple(expected[name].shape)}")
+    model.load_weights(list(weights.items()), strict=False)
+
+
+def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
+    """Rebuild the adapters described by ``adapter_config.json`` and load their weights."""
+    folder = Path(adapter_path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"adapter path {folder} is not a folder")
+    config = read_adapter_config(folder)
+    params = {**LORA_DEFAULTS, **(config.get("lora_parameters") or {})}
+    apply_lora(
+        model,
+        num_layers=config.get("num_layers", 16),
+        fine_tune_type=config.get("fine_tune_type", "lora"),
+        rank=params["rank"],
+        scale=params["scale"],
+        dropout=params["dropout"],
+        keys=params.get("keys"),
+    )
+    load_adapter_weights(model, folder / ADAPTER_WEIGHTS)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+__all__ = ["LoRALinear", "DoRALinear", "apply_lora", "fuse_adapters", "save_adapters", "load_adapters"]

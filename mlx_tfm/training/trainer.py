@@ -1,0 +1,251 @@
+"""The training loop: a loss, a compiled step, evaluation, and callbacks for the rest.
+
+Teacher forcing: the model reads tokens[:, :-1] under the causal mask and is scored on
+predicting tokens[:, 1:], every position at once, with cross-entropy. A target counts only
+where it lies inside the example and past its prompt (``lengths`` holds, per row,
+``(prompt_length, length)``).
+
+``train`` knows nothing about files or progress bars: reporting, evaluation output and
+saving hang off a ``Callbacks`` object, which the commands fill in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from ..errors import UserError
+from .data import Batch
+
+
+@dataclass
+class TrainingArgs:
+    batch_size: int = 4
+    iters: int = 1000
+    val_batches: int = 25  # <= 0: the whole validation set
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    steps_per_save: int = 100
+    grad_accumulation_steps: int = 1
+    grad_clip: float | None = None  # max global L2 norm; None: no clipping
+    grad_checkpoint: bool = False
+    log_grad_norms: bool = False
+    seed: int = 0
+
+
+class TrainingDiverged(UserError):
+    """The loss stopped being a finite number."""
+
+
+# -- the loss -----------------------------------------------------------------------
+
+
+def target_mask(lengths: mx.array, width: int) -> mx.array:
+    """(B, width) bool: target t (the token at position t + 1) lies in [prompt, length)."""
+    positions = mx.arange(1, width + 1)[None]
+    return (positions >= lengths[:, 0:1]) & (positions < lengths[:, 1:2])
+
+
+def loss_fn(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """Mean next-token cross-entropy over the counted targets, and how many there were."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs)  # (B, L, V); the model applies the causal mask itself
+    mask = target_mask(lengths, targets.shape[1])
+    ntoks = mask.sum()
+    ce = nn.losses.cross_entropy(logits, targets) * mask
+    return ce.astype(mx.float32).sum() / mx.maximum(ntoks, 1), ntoks
+
+
+def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn) -> float:
+    """Token-weighted mean loss over the batches."""
+    total, count = mx.array(0.0), mx.array(0)
+    for batch in batches:
+        value, ntoks = loss(model, mx.array(batch.tokens), mx.array(batch.lengths))
+        total, count = total + value * ntoks, count + ntoks
+        mx.eval(total, count)
+    return (total / mx.maximum(count, 1)).item()
+
+
+# -- gradients ------------------------------------------------------------------------
+
+
+def layer_grad_norms(grads: dict) -> mx.array:
+    """(n_layers,) L2 norm of each block's gradient (zero for a frozen block)."""
+    layers = grads["model"]["layers"]
+    norms = []
+    for layer in layers:
+        leaves = [g for _, g in tree_flatten(layer)]
+        norms.append(mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for g in leaves)) if leaves else mx.array(0.0))
+    return mx.stack(norms)
+
+
+def enable_grad_checkpoint(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass instead of storing them."""
+    for layer in model.layers:
+        layer.__class__ = _checkpointed(type(layer))
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed(block: type) -> type:
+    """A subclass of ``block`` whose call runs under ``mx.checkpoint`` (same parameters)."""
+    if block in _CHECKPOINTED.values():
+        return block
+    if block not in _CHECKPOINTED:
+
+        def __call__(self, x, mask=None, cache=None):
+            return nn.utils.checkpoint(self, partial(block.__call__, self))(x, mask, cache)
+
+        _CHECKPOINTED[block] = type(f"Checkpointed{block.__name__}", (block,), {"__call__": __call__})
+    return _CHECKPOINTED[block]
+
+
+# -- the loop -------------------------------------------------------------------------
+
+
+class Callbacks:
+    """Hooks the loop calls; each does nothing unless a command overrides it."""
+
+    def on_step(self, step: int, loss: float, ntoks: int, info: dict) -> None:
+        """After every optimizer step (``info``: learning_rate, grad_norms, ...)."""
+
+    def on_report(self, step: int, info: dict) -> None:
+        """Every ``steps_per_report`` steps, with averaged loss and throughput."""
+
+    def on_eval(self, step: int, val_loss: float, seconds: float) -> None:
+        """After each validation pass."""
+
+    def on_save(self, step: int) -> None:
+        """Every ``steps_per_save`` steps and at the end: persist what must survive."""
+
+
+def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, loss=loss_fn):
+    """``step(micro_batches) -> (loss, ntoks, grad_norm, layer_norms)``: compiled gradient
+    computation per micro-batch, averaged, clipped and applied in one optimizer update."""
+    state = [model.state, optimizer.state, mx.random.state]
+    loss_and_grad = nn.value_and_grad(model, loss)
+
+    def update(grads):
+        grad_norm = mx.array(0.0)
+        if args.grad_clip:
+            grads, grad_norm = optim.clip_grad_norm(grads, args.grad_clip)
+        layer_norms = layer_grad_norms(grads) if args.log_grad_norms else mx.array(0.0)
+        optimizer.update(model, grads)
+        return grad_norm, layer_norms
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def full_step(tokens, lengths):
+        (value, ntoks), grads = loss_and_grad(model, tokens, lengths)
+        return (value, ntoks, *update(grads))
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def micro_grads(tokens, lengths):
+        (value, ntoks), grads = loss_and_grad(model, tokens, lengths)
+        return value, ntoks, grads
+
+    compiled_update = mx.compile(update, inputs=state, outputs=state)
+
+    def step(micro_batches: list[Batch]):
+        if len(micro_batches) == 1:
+            return full_step(mx.array(micro_batches[0].tokens), mx.array(micro_batches[0].lengths))
+        values, counts, summed = [], [], None
+        for batch in micro_batches:
+            value, ntoks, grads = micro_grads(mx.array(batch.tokens), mx.array(batch.lengths))
+            summed = grads if summed is None else tree_map(mx.add, summed, grads)
+            values.append(value), counts.append(ntoks)
+            mx.eval(summed)  # bound memory to one micro-batch's activations
+        grads = tree_map(lambda g: g / len(micro_batches), summed)
+        return (mx.stack(values).mean(), sum(counts), *compiled_update(grads))
+
+    return step
+
+
+def train(
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    train_batches: Callable[[int], Batch],
+    valid_batches: Callable[[], Iterable[Batch]] | None,
+    args: TrainingArgs,
+    callbacks: Callbacks | None = None,
+    start_step: int = 0,
+    loss=loss_fn,
+) -> list[float]:
+    """Run optimizer steps ``start_step + 1 .. args.iters``; return each step's loss.
+
+    ``train_batches(i)`` is the i-th micro-batch (a pure function of i, so a resumed run
+    continues the same trajectory); the random state for dropout is reseeded per step.
+    """
+    callbacks = callbacks or Callbacks()
+    if args.grad_checkpoint:
+        enable_grad_checkpoint(model)
+    model.train()
+    step_fn = make_step(model, optimizer, args, loss)
+    accumulation = args.grad_accumulation_steps
+    evaluating = valid_batches is not None and args.steps_per_eval > 0
+    if evaluating and start_step == 0:
+        _validate(model, valid_batches, loss, callbacks, 0)
+    losses, window = [], _ReportWindow()
+    for step in range(start_step + 1, args.iters + 1):
+        mx.random.seed(args.seed * 1_000_003 + step)
+        micro = [train_batches((step - 1) * accumulation + i) for i in range(accumulation)]
+        value, ntoks, grad_norm, layer_norms = step_fn(micro)
+        mx.eval(value, ntoks, grad_norm, layer_norms, model.state, optimizer.state)
+        value = value.item()
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"the loss became {value} at step {step}; stopped without saving this step")
+        losses.append(value)
+        info = {"learning_rate": optimizer.learning_rate.item(), "grad_norm": grad_norm.item()}
+        if args.log_grad_norms:
+            info["layer_grad_norms"] = np.array(layer_norms).tolist()
+        callbacks.on_step(step, value, int(ntoks.item()), info)
+        window.add(value, int(ntoks.item()))
+        if step % args.steps_per_report == 0 or step == args.iters:
+            callbacks.on_report(step, {**info, **window.summary()})
+            window = _ReportWindow()
+        if evaluating and (step % args.steps_per_eval == 0 or step == args.iters):
+            window.start += _validate(model, valid_batches, loss, callbacks, step)
+        if step % args.steps_per_save == 0 or step == args.iters:
+            callbacks.on_save(step)
+    return losses
+
+
+def _validate(model, valid_batches, loss, callbacks: Callbacks, step: int) -> float:
+    """Evaluate and report; return the seconds spent (kept out of the throughput)."""
+    start = time.perf_counter()
+    model.eval()
+    val_loss = evaluate(model, valid_batches(), loss)
+    model.train()
+    seconds = time.perf_counter() - start
+    callbacks.on_eval(step, val_loss, seconds)
+    return seconds
+
+
+class _ReportWindow:
+    """Loss and throughput over the steps since the last report (validation excluded)."""
+
+    def __init__(self):
+        self.start, self.losses, self.tokens, self.steps = time.perf_counter(), [], 0, 0
+
+    def add(self, loss: float, ntoks: int) -> None:
+        self.losses.append(loss)
+        self.tokens += ntoks
+        self.steps += 1
+
+    def summary(self) -> dict:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        return {
+            "train_loss": sum(self.losses) / len(self.losses),
+            "tokens_per_second": self.tokens / seconds,
+            "iterations_per_second": self.steps / seconds,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        }
