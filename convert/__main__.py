@@ -1,0 +1,9 @@
+"""``python -m convert ...`` is ``mlx-tfm convert ...``: the same flags and messages."""
+
+import sys
+
+import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
+from mlx_tfm.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["convert", *sys.argv[1:]]))

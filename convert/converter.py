@@ -1,0 +1,156 @@
+"""``convert(hf_path, mlx_path, ...)``: read any supported source, check it against the
+model it describes, cast / (de)quantize it, write an MLX folder."""
+
+from __future__ import annotations
+
+import atexit
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from mlx_tfm.errors import UserError
+from mlx_tfm.loading import apply_quantization, load_weights_strictly, resolve_model_path
+from mlx_tfm.model import Model, ModelArgs
+
+from .architectures import map_weights, model_args_from_config, on_disk_layout
+from .checkpoint import Checkpoint, read_checkpoint
+from .writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPES,
+    cast_weights,
+    dequantize_weights,
+    dtype_name,
+    quantize_weights,
+    write_folder,
+)
+
+Q_BITS = (2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+
+
+def check_checkpoint(checkpoint: Checkpoint) -> tuple[ModelArgs, dict]:
+    """Build the model the config describes and load the weights into it strictly, so a
+    missing, unexpected or mis-shaped tensor is reported by name before anything is
+    written. Returns the args and the weights in the on-disk layout."""
+    config = checkpoint.config
+    try:
+        args = model_args_from_config(config)
+        model = Model(args)  # its random init stays lazy: never computed
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"config.json does not describe a model we can build: {e}") from None
+    weights = on_disk_layout(config, checkpoint.weights)
+    mapped = map_weights(config, args, weights)
+    if checkpoint.quantization:
+        apply_quantization(model, checkpoint.quantization, mapped)
+    load_weights_strictly(model, mapped)
+    return args, weights
+
+
+def output_dtype(requested: str | None, config: dict) -> str | None:
+    """--dtype, else the source's torch_dtype (as mlx-lm), else the tensors' own."""
+    if requested is not None:
+        return requested
+    source = config.get("torch_dtype") or config.get("dtype")
+    return source if source in DTYPES else None
+
+
+def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, quantize, q_bits, q_group_size, dequantize):
+    """-> (weights, quantization of the result or None)."""
+    quantization = source_quantization
+    if quantization and (dequantize or quantize):
+        weights, quantization = dequantize_weights(weights, quantization), None
+    if dtype is not None:
+        weights = cast_weights(weights, DTYPES[dtype])
+    if quantize:
+        weights = quantize_weights(weights, q_group_size, q_bits)
+        quantization = {"group_size": q_group_size, "bits": q_bits}
+    return weights, quantization
+
+
+def output_config(config: dict, quantization: dict | None, dtype: str) -> dict:
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config["torch_dtype"] = dtype
+    if "dtype" in config:  # transformers 5 spells it so
+        config["dtype"] = dtype
+    if quantization:
+        settings = {**quantization, "mode": "affine"}
+        config["quantization"] = settings
+        config["quantization_config"] = settings  # mlx-lm writes both
+    return config
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '100MB', '20KB' or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*", str(text).upper())
+    if not match:
+        raise UserError(f"cannot read size {text!r} (use e.g. 5GB, 500MB, 20KB)")
+    number, unit = match.groups()
+    return int(float(number) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit])
+
+
+def convert(
+    hf_path: str | Path,
+    mlx_path: str | Path = "mlx_model",
+    quantize: bool = False,
+    q_group_size: int = 64,
+    q_bits: int = 4,
+    dtype: str | None = None,
+    dequantize: bool = False,
+    overwrite: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+    log=print,
+) -> Path:
+    """Convert ``hf_path`` (a folder, a llama2.c or GGUF file, or a hub repo id) into an
+    MLX folder at ``mlx_path``. Returns the folder."""
+    if quantize and dequantize:
+        raise UserError("choose either --quantize or --dequantize, not both")
+    if q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES:
+        raise UserError(f"--q-bits must be one of {Q_BITS} and --q-group-size one of {Q_GROUP_SIZES}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}")
+    target = Path(mlx_path)
+    if target.exists() and not overwrite:
+        raise UserError(f"{target} already exists (pass --overwrite to replace it)")
+    max_bytes = parse_size(max_shard_size)
+    source = resolve_model_path(hf_path)
+    checkpoint = read_checkpoint(source)
+    args, weights = check_checkpoint(checkpoint)
+    log(f"read {source}: {args.model_type}, {args.num_hidden_layers} layers, {len(weights)} tensors")
+    weights, quantization = prepare_weights(
+        weights,
+        checkpoint.quantization,
+        dtype=output_dtype(dtype, checkpoint.config),
+        quantize=quantize,
+        q_bits=q_bits,
+        q_group_size=q_group_size,
+        dequantize=dequantize,
+    )
+    config = output_config(checkpoint.config, quantization, dtype_name(weights))
+    names = write_folder(target, config, weights, checkpoint.files, max_bytes, overwrite)
+    how = f"{quantization['bits']}-bit, group {quantization['group_size']}" if quantization else config["torch_dtype"]
+    log(f"wrote {target} ({how}, {len(names)} weight file{'s' if len(names) > 1 else ''})")
+    return target
+
+
+_TEMPORARY_FOLDERS: list[str] = []
+
+
+def _remove_temporary_folders() -> None:
+    for folder in _TEMPORARY_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def convert_to_temporary(source: Path) -> Path:
+    """For ``mlx_tfm.load``: convert a source it cannot read as is (llama2.c, GGUF,
+    PyTorch .bin) into a temporary MLX folder, removed when the process exits."""
+    if not _TEMPORARY_FOLDERS:
+        atexit.register(_remove_temporary_folders)
+    parent = tempfile.mkdtemp(prefix="mlx_tfm_convert_")
+    _TEMPORARY_FOLDERS.append(parent)
+    return convert(source, Path(parent) / "model", log=lambda *_: None)
+
+
+__all__ = ["convert", "convert_to_temporary"]

@@ -1,0 +1,48 @@
+"""``mlx-tfm convert``: flags as ``mlx_lm.convert``."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Convert a Hugging Face, llama2.c, GGUF or MLX checkpoint into an MLX folder (optionally quantized)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hf-path",
+        "--model",
+        required=True,
+        help="Source: a local folder, a llama2.c .bin or .gguf file, or a Hugging Face repo id.",
+    )
+    parser.add_argument("--mlx-path", default="mlx_model", help="Output folder (default: mlx_model).")
+    parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights.")
+    parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128), help="Quantization group size (default 64).")
+    parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="Bits per weight (default 4).")
+    parser.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default=None,
+        help="Type of the non-quantized weights (default: config.json's torch_dtype, else the source's).",
+    )
+    parser.add_argument("-d", "--dequantize", action="store_true", help="Dequantize a quantized source.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace --mlx-path if it exists.")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="Split the weights into files of at most this size (default 5GB)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from convert.converter import convert
+
+    convert(
+        args.hf_path,
+        args.mlx_path,
+        quantize=args.quantize,
+        q_group_size=args.q_group_size,
+        q_bits=args.q_bits,
+        dtype=args.dtype,
+        dequantize=args.dequantize,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+    )
+    return 0
