@@ -1,0 +1,152 @@
+"""`mlx-tfm generate`: stream a model's continuation of a prompt (flags as mlx_lm.generate).
+
+Text goes to stdout as it is generated; the statistics go to stderr, so the output can be
+piped. Only argparse is imported at module level: MLX and the model code load in ``run``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HELP = "Generate text from a prompt with a model folder or Hugging Face repo."
+
+# With network and no --model: a small real instruct model from the hub. Without network:
+# the tiny trained model shipped inside the package.
+DEFAULT_MODEL = "mlx-community/SmolLM2-135M-Instruct"
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default-model"
+DEFAULT_PROMPT = "Once upon a time"
+DEFAULT_MAX_TOKENS = 100
+
+
+def str_to_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
+                        "or the tiny model shipped with mlx-tfm when offline)")
+    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply")
+    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt, or '-' to read it from stdin")
+    parser.add_argument("--system-prompt", help="system message for the chat template")
+    parser.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
+    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this fraction as probable as the top")
+    parser.add_argument("--repetition-penalty", type=float, help="penalty for recent tokens (1: none)")
+    parser.add_argument("--repetition-context-size", type=int, default=20, help="how many recent tokens are penalised")
+    parser.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+    parser.add_argument("--max-kv-size", type=int, help="bound the KV cache to this many positions (rotating)")
+    parser.add_argument("--prompt-cache-file", help="reuse (or create) a saved cache of the prompt's prefix")
+    parser.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
+                        help="print the statistics at the end (--verbose false: only the text)")
+
+
+def run(args) -> int:
+    import mlx.core as mx
+
+    from ..errors import UserError
+    from ..generate import check_vocabulary, format_stats, reuse_prompt_cache_file, stream_generate
+    from ..loading import load
+    from ..sample import make_logits_processors, make_sampler
+
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens must be at least 0, got {args.max_tokens}")
+    if args.max_kv_size is not None and args.max_kv_size < 2:
+        raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+    sampler = make_sampler(args.temp, args.top_p, args.top_k, args.min_p)
+    processors = make_logits_processors(args.repetition_penalty, args.repetition_context_size)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+
+    model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path)
+    check_vocabulary(model, tokenizer)
+    prompt_tokens = build_prompt(tokenizer, read_prompt(args.prompt), args.system_prompt, args.ignore_chat_template)
+
+    if args.prompt_cache_file:
+        cache, to_process = reuse_prompt_cache_file(args.prompt_cache_file, model, prompt_tokens, args.max_kv_size)
+        save_after = not Path(args.prompt_cache_file).exists()
+    else:
+        cache, to_process, save_after = model.make_cache(args.max_kv_size), prompt_tokens, False
+
+    generated, response = [], None
+    for response in stream_generate(model, tokenizer, to_process, args.max_tokens, sampler, processors,
+                                    prompt_cache=cache, stop_strings=args.stop):
+        print(response.text, end="", flush=True)
+        generated.append(response.token)
+    print(flush=True)
+    if save_after:
+        save_prompt_only(args.prompt_cache_file, model, cache, prompt_tokens, generated)
+    if args.verbose and response is not None:
+        print(format_stats(response), file=sys.stderr)
+    return 0
+
+
+def choose_model(model: str | None) -> str:
+    """The --model given, else the default hub model when it can be had (cached, or the
+    hub reachable), else the model shipped in the package, with a notice."""
+    if model:
+        return model
+    if hub_model_cached(DEFAULT_MODEL) or hub_reachable():
+        return DEFAULT_MODEL
+    print(f"note: no network and {DEFAULT_MODEL} is not cached: using the tiny stories model shipped with mlx-tfm",
+          file=sys.stderr)
+    return str(SHIPPED_MODEL)
+
+
+def hub_model_cached(repo_id: str) -> bool:
+    """Whether a snapshot of ``repo_id`` is in the Hugging Face cache (read from disk,
+    without importing huggingface_hub)."""
+    import os
+
+    hub_cache = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+    snapshots = hub_cache.expanduser() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.glob("*/config.json"))
+
+
+def hub_reachable(timeout: float = 1.5) -> bool:
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_prompt(prompt: str) -> str:
+    return sys.stdin.read() if prompt == "-" else prompt.replace("\\n", "\n")
+
+
+def build_prompt(tokenizer, prompt: str, system_prompt: str | None, ignore_chat_template: bool) -> list[int]:
+    """Token ids of the prompt: through the model's chat template when it has one (as
+    mlx_lm.generate does), else the raw text, after the system prompt if one is given."""
+    if tokenizer.has_chat_template and not ignore_chat_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if system_prompt:
+        prompt = f"{system_prompt}\n\n{prompt}"
+    return tokenizer.encode(prompt)
+
+
+def save_prompt_only(path, model, cache: list, prompt_tokens: list[int], generated: list[int]) -> None:
+    """Save the prompt's cache: the generated tokens are trimmed off when the cache
+    allows it, else kept (their ids are recorded with the cache)."""
+    from ..generate import save_prompt_cache_file
+
+    if generated and all(c.is_trimmable() for c in cache):
+        for c in cache:
+            c.trim(len(generated))
+        generated = []
+    save_prompt_cache_file(path, model, cache, list(prompt_tokens) + generated)

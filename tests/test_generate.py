@@ -1,0 +1,255 @@
+"""The generation loop, through the Python API, on stories260K and tiny random models."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_tfm import generate, load, stream_generate
+from mlx_tfm.errors import UserError
+from mlx_tfm.generate import reuse_prompt_cache_file, save_prompt_cache_file
+from mlx_tfm.model import Model, ModelArgs
+from mlx_tfm.sample import make_logits_processors, make_sampler
+
+
+@pytest.fixture(scope="module")
+def stories(stories_hf):
+    return load(stories_hf)
+
+
+def tokens_of(responses):
+    return [r.token for r in responses]
+
+
+def tiny_llama_config(**overrides) -> dict:
+    config = {
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }
+    return {**config, **overrides}
+
+
+def write_model_folder(folder, config: dict, tokenizer_files: dict, seed: int = 0):
+    """A Hugging Face layout folder with random weights and the given tokenizer files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name, source in tokenizer_files.items():
+        (folder / name).write_bytes(source.read_bytes())
+    return folder
+
+
+# -- golden output -----------------------------------------------------------------------
+
+
+def test_greedy_from_bos_reproduces_the_golden_text(stories, golden):
+    model, tokenizer = stories
+    assert generate(model, tokenizer, golden["prompt_ids"], max_tokens=200) == golden["text"]
+    responses = list(stream_generate(model, tokenizer, "", max_tokens=200))  # "" -> BOS only
+    assert tokens_of(responses) == golden["generated_ids"]
+    assert "".join(r.text for r in responses) == golden["text"]
+    assert [r.finish_reason for r in responses[-2:]] == [None, "length"]
+    assert responses[-1].generation_tokens == 200 and responses[-1].prompt_tokens == 1
+    assert responses[-1].prompt_tps > 0 and responses[-1].generation_tps > 0 and responses[-1].peak_memory > 0
+
+
+def test_chunked_prefill_and_prompt_continuation_match_the_golden_ids(stories, golden):
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    prompt = [1, *ids[:50]]
+    for step in (3, 7, 512):
+        responses = stream_generate(model, tokenizer, prompt, max_tokens=20, prefill_step_size=step)
+        assert tokens_of(responses) == ids[50:70]
+
+
+def test_text_prompt_continues_with_its_leading_space(stories, golden):
+    model, tokenizer = stories
+    text = generate(model, tokenizer, "Once upon a time,", max_tokens=5)
+    assert text.startswith(" there") and golden["text"].startswith("Once upon a time," + text)
+
+
+def test_cache_holds_the_prompt_and_every_yielded_token(stories, golden):
+    """After the generator stops (closed early or finished) the cache covers prompt + all
+    yielded tokens, so a next turn continues exactly where the text left off."""
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    cache = model.make_cache()
+    stream = stream_generate(model, tokenizer, [1], max_tokens=100, prompt_cache=cache)
+    first = [next(stream).token for _ in range(10)]
+    stream.close()
+    assert first == ids[:10] and cache[0].offset == 1 + 10
+    # the next "turn" gives only the new token; the cache supplies the rest
+    second = tokens_of(stream_generate(model, tokenizer, [ids[10]], max_tokens=15, prompt_cache=cache))
+    assert second == ids[11:26] and cache[0].offset == 1 + 10 + 1 + 15
+
+
+def test_rotating_cache_generates_past_the_context(stories, golden):
+    model, tokenizer = stories
+    responses = list(stream_generate(model, tokenizer, [1], max_tokens=600, max_kv_size=128))
+    assert len(responses) == 600 and responses[-1].finish_reason == "length"
+    assert tokens_of(responses[:120]) == golden["generated_ids"][:120]  # identical until the window fills
+
+
+def test_without_rotating_cache_generation_stops_at_the_context(stories):
+    model, tokenizer = stories
+    responses = list(stream_generate(model, tokenizer, [1], max_tokens=1000))
+    assert len(responses) == model.args.max_position_embeddings - 1
+    assert responses[-1].finish_reason == "length"
+
+
+# -- stopping ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["Lily", "girl named", "ball. She", "\n"])
+def test_stop_strings_end_the_text_before_them(stories, golden, stop):
+    model, tokenizer = stories
+    responses = list(stream_generate(model, tokenizer, [1], max_tokens=200, stop_strings=["never said", stop]))
+    text = "".join(r.text for r in responses)
+    assert text == golden["text"][: golden["text"].index(stop)]
+    assert responses[-1].finish_reason == "stop"
+
+
+def test_eos_token_stops_and_is_not_shown(stories, golden):
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    saved = tokenizer.eos_token_ids
+    tokenizer.eos_token_ids = {ids[5]}  # pretend the 6th token is EOS
+    try:
+        cache = model.make_cache()
+        responses = list(stream_generate(model, tokenizer, [1], max_tokens=50, prompt_cache=cache))
+    finally:
+        tokenizer.eos_token_ids = saved
+    assert tokens_of(responses) == ids[:6] and responses[-1].finish_reason == "stop"
+    assert "".join(r.text for r in responses) == tokenizer.decode(ids[:5])
+    assert cache[0].offset == 1 + 6
+
+
+# -- probabilities and sampling ----------------------------------------------------------
+
+
+def test_logprobs_are_normalised_and_greedy_picks_their_argmax(stories):
+    model, tokenizer = stories
+    for response in stream_generate(model, tokenizer, "Once upon", max_tokens=10):
+        logprobs = np.array(response.logprobs)
+        assert logprobs.shape == (model.args.vocab_size,)
+        assert abs(np.exp(logprobs.astype(np.float64)).sum() - 1) < 1e-4
+        assert response.token == int(np.argmax(logprobs))
+
+
+def test_logprobs_match_the_reference_logits(stories, stories_dir, golden):
+    model, tokenizer = stories
+    reference = np.load(stories_dir / "greedy_reference_logits_first32.npy")
+    responses = list(stream_generate(model, tokenizer, [1], max_tokens=31))
+    for row, response in zip(reference, responses):
+        expected = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        assert np.allclose(np.array(response.logprobs), expected, atol=1e-4)
+
+
+def test_logit_bias_in_the_loop_picks_the_runner_up(stories, stories_dir, golden):
+    model, tokenizer = stories
+    first_logits = np.load(stories_dir / "greedy_reference_logits_first32.npy")[0]
+    banned = golden["generated_ids"][0]
+    processors = make_logits_processors(logit_bias={banned: float("-inf")})
+    (response,) = stream_generate(model, tokenizer, [1], max_tokens=1, logits_processors=processors)
+    assert response.token == int(np.argsort(-first_logits)[1])
+
+
+def test_repetition_penalty_in_the_loop_changes_repeats(stories, golden):
+    model, tokenizer = stories
+    processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=50)
+    tokens = tokens_of(stream_generate(model, tokenizer, [1], max_tokens=60, logits_processors=processors))
+    plain = golden["generated_ids"][:60]
+
+    def repeats(ids):  # tokens that already occurred in the previous 50
+        return sum(t in ids[max(0, i - 50) : i] for i, t in enumerate(ids))
+
+    assert tokens != plain and repeats(tokens) < repeats(plain)
+
+
+def test_seeded_sampling_is_reproducible(stories):
+    model, tokenizer = stories
+    sampler = make_sampler(temp=1.0, top_p=0.95)
+
+    def sample(seed):
+        mx.random.seed(seed)
+        return tokens_of(stream_generate(model, tokenizer, [1], max_tokens=40, sampler=sampler))
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+# -- prompt cache files ------------------------------------------------------------------
+
+
+def continuation(model, tokenizer, prompt, cache=None):
+    return tokens_of(stream_generate(model, tokenizer, prompt, max_tokens=30, prompt_cache=cache))
+
+
+def test_prompt_cache_file_gives_the_same_continuation(stories, tmp_path):
+    model, tokenizer = stories
+    path = tmp_path / "prompt.safetensors"
+    prompt = tokenizer.encode("Once upon a time, there was a big dog named Max. Max liked to run in the sun.")
+    expected = continuation(model, tokenizer, prompt)
+
+    cache, rest = reuse_prompt_cache_file(path, model, prompt)  # no file yet: everything to do
+    assert rest == prompt and cache[0].offset == 0
+    assert continuation(model, tokenizer, rest, cache) == expected
+    for c in cache:
+        c.trim(30)
+    save_prompt_cache_file(path, model, cache, prompt)
+
+    cache, rest = reuse_prompt_cache_file(path, model, prompt)
+    assert rest == prompt[-1:] and cache[0].offset == len(prompt) - 1
+    assert continuation(model, tokenizer, rest, cache) == expected
+
+    other = prompt[:12] + tokenizer.encode(" The cat sat on a mat.", add_special_tokens=False)
+    cache, rest = reuse_prompt_cache_file(path, model, other)  # shares a 12-token prefix
+    assert cache[0].offset == 12 and rest == other[12:]
+    assert continuation(model, tokenizer, rest, cache) == continuation(model, tokenizer, other)
+
+
+def test_prompt_cache_file_of_another_model_is_refused(stories, tmp_path):
+    model, tokenizer = stories
+    path = tmp_path / "prompt.safetensors"
+    cache = model.make_cache()
+    list(stream_generate(model, tokenizer, [1, 403], max_tokens=1, prompt_cache=cache))
+    save_prompt_cache_file(path, model, cache, [1, 403, 407])
+    other = Model(ModelArgs.from_dict(tiny_llama_config(vocab_size=512)))
+    with pytest.raises(UserError, match="different model"):
+        reuse_prompt_cache_file(path, other, [1, 403, 407, 5])
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_empty_prompt_is_a_user_error(stories):
+    model, tokenizer = stories
+    with pytest.raises(UserError, match="prompt is empty"):
+        generate(model, tokenizer, [])
+
+
+def test_prompt_longer_than_the_context_is_a_user_error(stories):
+    model, tokenizer = stories
+    with pytest.raises(UserError, match="context is 512"):
+        generate(model, tokenizer, [1] * 600)
+    assert len(generate(model, tokenizer, [1] * 600, max_tokens=3, max_kv_size=256)) > 0
+
+
+def test_nan_logits_are_a_user_error(stories_hf, stories):
+    model, tokenizer = load(stories_hf)
+    model.model.norm.weight = mx.full(model.model.norm.weight.shape, float("nan"))
+    with pytest.raises(UserError, match="NaN logits"):
+        generate(model, tokenizer, [1], max_tokens=5)
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_a_user_error(stories_hf, tmp_path):
+    folder = write_model_folder(tmp_path / "m", tiny_llama_config(vocab_size=256),
+                                {"tokenizer.model": stories_hf / "tokenizer.model"})
+    model, tokenizer = load(folder)
+    with pytest.raises(UserError, match="tokenizer has 512 tokens but the model only 256"):
+        generate(model, tokenizer, "Once")
