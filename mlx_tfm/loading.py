@@ -98,11 +98,23 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def readable_folder(path: Path) -> Path:
+    """llama2.c and GGUF files and PyTorch-only folders go through the converter first,
+    into a temporary MLX folder; MLX and safetensors folders load as they are."""
+    from convert.checkpoint import needs_conversion
+
+    if not needs_conversion(path):
+        return path
+    from convert.converter import convert_to_temporary
+
+    return convert_to_temporary(path)
+
+
 def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, dict]:
     """Build and fill the model of an MLX or Hugging Face safetensors folder."""
     from convert.architectures import map_weights, model_args_from_config
 
-    folder = Path(folder)
+    folder = readable_folder(Path(folder))
     config = read_config(folder)
     try:
         args = model_args_from_config(config)
@@ -125,7 +137,7 @@ def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype
     """Load a model and its tokenizer from a folder or a Hugging Face repo id."""
     from .tokenizer import load_tokenizer
 
-    folder = resolve_model_path(path_or_repo)
+    folder = readable_folder(resolve_model_path(path_or_repo))
     model, config = load_model(folder, dtype)
     if adapter_path is not None:
         from .training.lora import load_adapters
