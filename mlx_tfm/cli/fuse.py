@@ -1,0 +1,22 @@
+"""`mlx-tfm fuse`: merge LoRA / DoRA adapters into the base model (flags as mlx_lm.fuse)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Fuse trained adapters into the base model and save it as a model folder."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="base model folder or Hugging Face repo id")
+    p.add_argument("--adapter-path", default="adapters", help="folder with adapters.safetensors (default: adapters)")
+    p.add_argument("--save-path", default="fused_model", help="where to write the fused model (default: fused_model)")
+    p.add_argument("--dequantize", action="store_true", help="write float weights for a quantized base")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..training.fuse import fuse_model
+
+    target = fuse_model(args.model, args.adapter_path, args.save_path, args.dequantize)
+    print(f"Saved the fused model to {target}")
+    return 0
