@@ -1,0 +1,190 @@
+"""`mlx-tfm chat`: talk to a model in the terminal.
+
+The conversation lives in ``mlx_tfm.chat.ChatSession`` (which keeps the KV cache between
+turns) and the slash commands in ``mlx_tfm.chat_commands``; this module reads lines
+(prompt_toolkit on a terminal, plain ``input()`` when stdin is a pipe), streams answers
+and turns Ctrl-C into "stop this answer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+
+HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
+
+
+def add_arguments(parser) -> None:
+    from .generate import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=None, help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
+                        "or the tiny model shipped with mlx-tfm when offline)")
+    parser.add_argument("--adapter-path", default=None, help="LoRA adapters to apply (a folder from `mlx-tfm lora`)")
+    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("-m", "--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    parser.add_argument(
+        "--max-kv-size", type=int, default=None,
+        help="bound the KV cache (and so the context) to this many tokens",
+    )
+
+
+# -- reading what the person types -----------------------------------------------------
+
+
+class TerminalReader:
+    """Line editing and history through prompt_toolkit. Ctrl-C clears a typed line, or
+    leaves at an empty one (KeyboardInterrupt); Ctrl-D at an empty line is EOFError."""
+
+    def __init__(self):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        bindings = KeyBindings()
+
+        @bindings.add("c-c")
+        def _clear_or_leave(event):
+            buffer = event.app.current_buffer
+            if buffer.text:
+                buffer.reset()
+            else:
+                event.app.exit(exception=KeyboardInterrupt())
+
+        self._session = PromptSession(history=InMemoryHistory(), key_bindings=bindings)
+
+    def read(self, prompt: str) -> str:
+        return self._session.prompt(prompt)
+
+
+class PipeReader:
+    """Plain ``input()`` for piped stdin; no prompt is written."""
+
+    def read(self, prompt: str) -> str:
+        return input()
+
+
+def read_message(reader) -> str:
+    """One message: a line, or the lines between a line starting with \"\"\" and one
+    ending with \"\"\" (Ollama's convention). EOF inside a block ends the block."""
+    from ..chat_commands import MULTILINE_MARK
+
+    line = reader.read(">>> ")
+    if not line.lstrip().startswith(MULTILINE_MARK):
+        return line
+    lines = [line.lstrip()[len(MULTILINE_MARK) :]]
+    while not (lines[-1].endswith(MULTILINE_MARK) and (len(lines) > 1 or lines[0])):
+        try:
+            lines.append(reader.read("... "))
+        except EOFError:
+            return "\n".join(lines).strip("\n")
+    lines[-1] = lines[-1][: -len(MULTILINE_MARK)]
+    return "\n".join(lines).strip("\n")
+
+
+# -- showing answers -------------------------------------------------------------------
+
+
+class Screen:
+    """Writes to stdout and knows whether the cursor is at the start of a line, so a
+    notice never lands in the middle of an answer."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.at_line_start = True
+
+    def write(self, text: str) -> None:
+        if text:
+            self.stream.write(text)
+            self.stream.flush()
+            self.at_line_start = text.endswith("\n")
+
+    def end_line(self) -> None:
+        if not self.at_line_start:
+            self.write("\n")
+
+    def notice(self, text: str) -> None:
+        self.end_line()
+        self.write(f"[{text}]\n")
+
+
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """While an answer streams, Ctrl-C only sets a flag: the answer stops after the token
+    in progress, so the model is never interrupted halfway through a step."""
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.set())
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def stream_answer(session, message: str, screen: Screen) -> None:
+    """Print the answer as it comes (without the space a tokenizer may put before its
+    first word), then a blank line."""
+    started = False
+    with stop_on_interrupt() as stopped:
+        for piece in session.answer(message, should_stop=stopped.is_set):
+            piece = piece if started else piece.lstrip()
+            started = started or bool(piece)
+            screen.write(piece)
+    if stopped.is_set():
+        screen.notice("answer stopped")
+    screen.end_line()
+    screen.write("\n")
+
+
+def repl(session, reader, screen: Screen) -> int:
+    """Read messages and commands until /bye, Ctrl-D, or Ctrl-C at an empty prompt."""
+    from ..chat_commands import Quit, run_command
+    from ..errors import UserError
+
+    while True:
+        try:
+            message = read_message(reader)
+        except (EOFError, KeyboardInterrupt):
+            screen.end_line()
+            return 0
+        if not message.strip():
+            continue
+        try:
+            if message.startswith("/"):
+                screen.write(run_command(session, message) + "\n")
+            else:
+                stream_answer(session, message, screen)
+        except Quit:
+            return 0
+        except UserError as e:
+            screen.notice(str(e))
+
+
+def run(args) -> int:
+    import mlx.core as mx
+
+    from ..chat import ChatSession, Settings, check_settings
+    from ..errors import UserError
+    from ..loading import load
+    from .generate import choose_model
+
+    settings = Settings(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        max_tokens=args.max_tokens, seed=args.seed)
+    check_settings(settings)
+    if args.max_kv_size is not None and args.max_kv_size < 2:
+        raise UserError("--max-kv-size must be at least 2")
+    model_path = choose_model(args.model)
+    model, tokenizer = load(model_path, adapter_path=args.adapter_path)
+    mx.random.seed(settings.seed)
+    screen = Screen()
+    session = ChatSession(model, tokenizer, settings, system_prompt=args.system_prompt,
+                          max_kv_size=args.max_kv_size, model_name=str(model_path), on_notice=screen.notice)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        screen.write(f"Chatting with {model_path}. Type /help for commands, /bye to leave.\n")
+    return repl(session, TerminalReader() if interactive else PipeReader(), screen)
