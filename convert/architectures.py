@@ -233,6 +233,12 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# Config keys mlx-lm requires that transformers 5 no longer writes: key -> the key it equals.
+MLX_LM_CONFIG_ALIASES = {
+    "gpt2": {"n_ctx": "n_positions"},
+}
+
+
 def architecture_for(config: dict) -> Architecture:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:

@@ -13,7 +13,7 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.loading import apply_quantization, load_weights_strictly, resolve_model_path
 from mlx_tfm.model import Model, ModelArgs
 
-from .architectures import map_weights, model_args_from_config, on_disk_layout
+from .architectures import MLX_LM_CONFIG_ALIASES, map_weights, model_args_from_config, on_disk_layout
 from .checkpoint import Checkpoint, read_checkpoint
 from .writer import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -68,8 +68,27 @@ def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, q
     return weights, quantization
 
 
+def classic_rope_keys(config: dict) -> dict:
+    """transformers 5 keeps rope settings only in ``rope_parameters``; mlx-lm (and
+    transformers 4) read ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor``,
+    so the output carries both spellings."""
+    params = dict(config.get("rope_parameters") or {})
+    extra = {}
+    if "rope_theta" in params and "rope_theta" not in config:
+        extra["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params and "partial_rotary_factor" not in config:
+        extra["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        extra["rope_scaling"] = params
+    return extra
+
+
 def output_config(config: dict, quantization: dict | None, dtype: str) -> dict:
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config.update(classic_rope_keys(config))
+    for key, same_as in MLX_LM_CONFIG_ALIASES.get(config["model_type"], {}).items():
+        if key not in config and same_as in config:
+            config[key] = config[same_as]
     config["torch_dtype"] = dtype
     if "dtype" in config:  # transformers 5 spells it so
         config["dtype"] = dtype
