@@ -1,0 +1,259 @@
+"""Bad input: one line on stderr starting with 'error:', exit status 1, no traceback and
+no output folder (nor any temporary one) left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures.convert_helpers import make_hf_model, stories_llama2c_tensors, write_stories_gguf
+
+from mlx_tfm.cli import main
+
+
+def run_cli(capsys, *argv) -> str:
+    """Run ``mlx-tfm convert ARGV``; assert it failed cleanly; return the message."""
+    code = main(["convert", *map(str, argv)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def assert_no_output(out) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary folder left behind"
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("src") / "llama"
+    make_hf_model("llama", folder)
+    return folder
+
+
+def copy_with(tmp_path, hf_folder, weights=None, config=None):
+    """A copy of the tiny llama with its weights or config edited."""
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    source = mx.load(str(hf_folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights(source) if weights else source)
+    base = json.loads((hf_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config(base) if config else base))
+    return folder
+
+
+def test_missing_config(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder)
+    (folder / "config.json").unlink()
+    assert "has no config.json" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert_no_output(tmp_path / "out")
+
+
+def test_unknown_model_type(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "model_type": "mamba9"})
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "unknown model_type 'mamba9'" in err and "gemma2, gpt2, llama" in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_missing_tensor_is_named(tmp_path, hf_folder, capsys):
+    name = "model.layers.1.mlp.up_proj.weight"
+    folder = copy_with(tmp_path, hf_folder, weights=lambda w: {k: v for k, v in w.items() if k != name})
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "missing 1 tensor(s)" in err and name in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_unexpected_tensor_is_named(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder, weights=lambda w: {**w, "model.layers.0.extra.weight": mx.zeros((4,))})
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "unexpected tensor(s)" in err and "model.layers.0.extra.weight" in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_shape_mismatch_is_named(tmp_path, hf_folder, capsys):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    folder = copy_with(tmp_path, hf_folder, weights=lambda w: {**w, name: mx.zeros((8, 64))})
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert f"shape mismatch for {name}" in err and "(8, 64)" in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_truncated_safetensors(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "model.safetensors is not a readable safetensors file" in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_corrupt_safetensors(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder)
+    (folder / "model.safetensors").write_bytes(b"\xff" * 100)
+    assert "not a readable safetensors file" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+
+
+def test_missing_shard(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "missing: model-00001-of-00002.safetensors, model-00002-of-00002.safetensors" in err
+
+
+def test_foreign_quantization_refused(tmp_path, hf_folder, capsys):
+    folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert "quantized with 'gptq'" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+
+
+def test_pytorch_bin_without_torch(tmp_path, hf_folder, capsys, monkeypatch):
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "config.json").write_text((hf_folder / "config.json").read_text())
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "needs torch: pip install torch" in err
+
+
+def test_corrupt_pytorch_bin(tmp_path, hf_folder, capsys):
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "config.json").write_text((hf_folder / "config.json").read_text())
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04garbage")
+    assert "not a readable PyTorch checkpoint" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+
+
+@pytest.fixture
+def stories_bin_copy(tmp_path, stories_dir):
+    (tmp_path / "src").mkdir()
+    data = (stories_dir / "stories260K.bin").read_bytes()
+    (tmp_path / "src" / "tok512.model").write_bytes((stories_dir / "tok512.model").read_bytes())
+    return tmp_path / "src" / "stories260K.bin", data
+
+
+def test_truncated_llama2c(tmp_path, stories_bin_copy, capsys):
+    path, data = stories_bin_copy
+    path.write_bytes(data[:-1000])
+    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    assert f"is {len(data) - 1000} bytes but its llama2.c header" in err and f"implies {len(data)}" in err
+    assert_no_output(tmp_path / "out")
+
+
+def test_llama2c_bad_header(tmp_path, stories_bin_copy, capsys):
+    path, data = stories_bin_copy
+    path.write_bytes(np.array([64, 172, 5, 7, 4, 512, 512], dtype="<i4").tobytes() + data[28:])  # 64 % 7 != 0
+    assert "valid llama2.c header" in run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+
+
+def test_llama2c_without_tokenizer(tmp_path, stories_bin_copy, capsys):
+    path, data = stories_bin_copy
+    path.write_bytes(data)
+    (path.parent / "tok512.model").unlink()
+    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    assert "expected tokenizer.model or tok512.model" in err
+
+
+@pytest.fixture
+def stories_gguf(tmp_path, stories_dir, stories_hf):
+    tensors, config = stories_llama2c_tensors(stories_hf)
+    path = tmp_path / "stories.gguf"
+    write_stories_gguf(tensors, config, stories_dir / "tok512.model", path, "Q8_0")
+    return path
+
+
+def test_truncated_gguf(tmp_path, stories_gguf, capsys):
+    data = stories_gguf.read_bytes()
+    stories_gguf.write_bytes(data[:-5000])
+    err = run_cli(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
+    assert "stories.gguf" in err and ("truncated" in err or "not a readable GGUF file" in err)
+    assert_no_output(tmp_path / "out")
+
+
+def test_corrupt_gguf(tmp_path, stories_gguf, capsys):
+    stories_gguf.write_bytes(b"GGUF" + b"\xff" * 200)
+    assert "not a readable GGUF file" in run_cli(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
+
+
+def test_unsupported_gguf_type(tmp_path, capsys):
+    import gguf
+
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64 // block * size), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 64), ("attention.head_count", 4)]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    assert "token_embd.weight has GGUF type IQ4_NL, which is not supported" in err and "Q4_0" in err
+
+
+def test_unwritable_output(tmp_path, hf_folder, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", blocker / "out")
+    assert "cannot write" in err and "a_file" in err
+
+
+def test_disk_full_leaves_nothing(tmp_path, hf_folder, capsys, monkeypatch):
+    import convert.writer
+
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        if len(calls) == 2:  # the first shard is written, then the disk fills up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        path.write_bytes(b"x")
+
+    monkeypatch.setattr(convert.writer, "save_shard", full_disk)
+    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "--max-shard-size", "20KB")
+    assert "no space left on the device" in err and len(calls) == 2
+    assert_no_output(tmp_path / "out")
+
+
+def test_existing_output_needs_overwrite(tmp_path, hf_folder, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert "already exists (pass --overwrite" in run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", out)
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["convert", "--hf-path", str(hf_folder), "--mlx-path", str(out), "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_quantize_and_dequantize_together(tmp_path, hf_folder, capsys):
+    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "-q", "--dequantize")
+    assert "either --quantize or --dequantize" in err
+
+
+def test_missing_local_path(tmp_path, capsys):
+    assert "does not exist" in run_cli(capsys, "--hf-path", tmp_path / "nope", "--mlx-path", tmp_path / "out")
+
+
+def test_offline_hub_repo_via_python_m_convert(tmp_path):
+    """A repo id with no network and no cache: one line naming the repo, exit 1."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    result = subprocess.run(
+        [sys.executable, "-m", "convert", "--hf-path", "someone/tiny-model", "--mlx-path", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    err = result.stderr.strip()
+    assert err.startswith("error: cannot fetch 'someone/tiny-model'") and "\n" not in err, err
+    assert_no_output(tmp_path / "out")
