@@ -54,7 +54,8 @@ def open_reader(path: Path):
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/IndexError/... on corrupt files
-        raise UserError(f"{path} is not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} is not a readable GGUF file: truncated or corrupt ({reason})") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
