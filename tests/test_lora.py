@@ -173,3 +173,39 @@ def test_qlora_trains_and_fuse_dequantize_matches(stories_hf, tmp_path, capsys):
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in fused.named_modules())
     np.testing.assert_allclose(np.array(fused(PROMPT)), expected, atol=2e-4, rtol=1e-4)
     assert tokenizer.encode("table") == load(stories_hf)[1].encode("table")
+
+
+def test_yaml_config_float_dora_lowers_the_loss_and_reports_test_perplexity(stories_hf, tmp_path, capsys):
+    """A -c recipe as mlx_lm.lora reads it; flags given on the command line win over it."""
+    import math
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model: {stories_hf}\ntrain: true\ntest: true\ndata: {data_path('wikisql')}\n"
+        "fine_tune_type: dora\nnum_layers: -1\nbatch_size: 4\niters: 1000\nlearning_rate: 3.0e-3\n"
+        "steps_per_report: 12\nsteps_per_eval: 12\nval_batches: 4\ntest_batches: 4\n"
+        f"adapter_path: {tmp_path / 'adapters'}\n"
+        "lora_parameters:\n  rank: 4\n  scale: 10.0\n  dropout: 0.0\n  keys: [self_attn.q_proj, self_attn.v_proj, mlp.down_proj]\n"
+    )
+    assert main(["lora", "-c", str(recipe), "--iters", "24"]) == 0
+    out = capsys.readouterr().out
+    val = [float(line.split("Val loss ")[1].split(",")[0]) for line in out.splitlines() if "Val loss" in line]
+    assert len(val) == 3 and val[-1] < val[0] - 1.0, out
+    test_line = next(line for line in out.splitlines() if line.startswith("Test loss"))
+    test_loss, ppl = (float(x.split()[-1].rstrip(".")) for x in test_line.split(","))
+    assert test_loss < val[0] and ppl == pytest.approx(math.exp(test_loss), rel=2e-3)
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "dora" and config["lora_parameters"]["keys"][2] == "mlp.down_proj"
+    weights = mx.load(str(tmp_path / "adapters" / "adapters.safetensors"))
+    assert "model.layers.0.mlp.down_proj.m" in weights and len(weights) == 5 * 3 * 3
+
+
+def test_lora_command_errors(stories_hf, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\nlora_rank: 4\n")
+    assert main(["lora", "-c", str(bad)]) == 1
+    assert "unknown option(s) lora_rank" in capsys.readouterr().err
+    assert main(["lora", "--model", str(stories_hf), "--data", str(data_path("wikisql"))]) == 1
+    assert "nothing to do: pass --train and/or --test" in capsys.readouterr().err
+    assert main(["lora", "--model", str(stories_hf), "--train", "--data", str(tmp_path / "none")]) == 1
+    assert "is not a folder with train/valid/test .jsonl files" in capsys.readouterr().err
