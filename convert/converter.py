@@ -137,6 +137,7 @@ def convert(
     source = resolve_model_path(hf_path)
     checkpoint = read_checkpoint(source)
     args, weights = check_checkpoint(checkpoint)
+    checkpoint.weights = {}  # the lazy outputs below keep what they need; the rest can go
     log(f"read {source}: {args.model_type}, {args.num_hidden_layers} layers, {len(weights)} tensors")
     weights, quantization = prepare_weights(
         weights,

@@ -1,0 +1,132 @@
+"""Benchmark: convert a 135M-class Llama (SmolLM-135M's shape, random weights, Hugging
+Face layout, float32 safetensors) to float16 and to 4-bit, with mlx_tfm and with
+mlx_lm.convert, each in its own process so peak memory is per run.
+
+    python examples/benchmark_convert.py [--workdir DIR] [--repeat N]
+
+Prints wall time (process start to exit, imports included), peak RSS of the converting
+process (from wait4's rusage) and output size, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    D, F, head_dim = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], D), "model.norm.weight": (D,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (D, D),
+            p + "self_attn.k_proj.weight": (kv, D),
+            p + "self_attn.v_proj.weight": (kv, D),
+            p + "self_attn.o_proj.weight": (D, D),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        })
+    return shapes
+
+
+def build_source(folder: Path) -> int:
+    """Random float32 weights in HF layout, plus a tokenizer (mlx_lm.convert needs one;
+    stories260K's SentencePiece model stands in)."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    tensors = {
+        name: (np.ones(shape, np.float32) if len(shape) == 1 else (rng.standard_normal(shape, np.float32) * 0.02))
+        for name, shape in llama_shapes(CONFIG).items()
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(SHARED_DATA / "stories260K-hf" / name, folder / name)
+    return sum(t.size for t in tensors.values())
+
+
+def measure(command: list[str]) -> tuple[float, float]:
+    """-> (wall seconds, peak RSS in MiB) of one child process."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(command)}\n{process.stderr.read().decode()}")
+    return wall, usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def folder_size(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.iterdir()) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=None, help="Where to put the source and outputs (default: a temp dir).")
+    parser.add_argument("--repeat", type=int, default=1, help="Runs per cell; the best time and lowest peak are kept.")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_convert_"))
+    source = workdir / "source"
+    if not source.exists():
+        n_params = build_source(source)
+        print(f"source: {n_params / 1e6:.1f}M parameters, float32, {folder_size(source):.0f} MiB at {source}")
+    tools = {
+        "mlx_tfm": [sys.executable, "-m", "convert"],
+        "mlx_lm": [sys.executable, "-m", "mlx_lm", "convert"],
+    }
+    targets = {"float16": ["--dtype", "float16"], "4-bit g64": ["--dtype", "float16", "-q", "--q-bits", "4", "--q-group-size", "64"]}
+    rows = []
+    for target, flags in targets.items():
+        for tool, command in tools.items():
+            best_wall, best_rss = float("inf"), float("inf")
+            for _ in range(args.repeat):
+                out = workdir / f"{tool}-{target.split()[0]}"
+                shutil.rmtree(out, ignore_errors=True)
+                wall, rss = measure([*command, "--hf-path", str(source), "--mlx-path", str(out), *flags])
+                best_wall, best_rss = min(best_wall, wall), min(best_rss, rss)
+            rows.append((target, tool, best_wall, best_rss, folder_size(out)))
+    print(f"\n| target | tool | wall time (s) | peak RSS (MiB) | output (MiB) |\n|---|---|---|---|---|")
+    for target, tool, wall, rss, size in rows:
+        print(f"| {target} | {tool} | {wall:.2f} | {rss:.0f} | {size:.0f} |")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
