@@ -43,7 +43,7 @@ def test_logits_and_greedy_match_transformers(name, tmp_path):
     np.testing.assert_allclose(our_logits(direct, PROMPT), reference, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("quantize", [False, True], ids=["float", "4bit"])
 def test_output_loads_in_mlx_lm(name, quantize, tmp_path):
     """The on-disk layout is mlx-lm's, float and quantized (fused phi3/gpt2 tensors
