@@ -37,8 +37,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
 
         return read_hf_folder(path)
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == GGUF_MAGIC:
+        magic = f.read(9)
+    if magic[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
+        raise UserError(f"{path} is a safetensors file: pass the folder that holds it and its config.json")
+    if magic[:4] == GGUF_MAGIC:
         from .gguf_file import read_gguf
 
         return read_gguf(path)

@@ -257,3 +257,8 @@ def test_offline_hub_repo_via_python_m_convert(tmp_path):
     err = result.stderr.strip()
     assert err.startswith("error: cannot fetch 'someone/tiny-model'") and "\n" not in err, err
     assert_no_output(tmp_path / "out")
+
+
+def test_safetensors_file_instead_of_folder(tmp_path, hf_folder, capsys):
+    err = run_cli(capsys, "--hf-path", hf_folder / "model.safetensors", "--mlx-path", tmp_path / "out")
+    assert "is a safetensors file: pass the folder" in err

@@ -15,6 +15,7 @@ from fixtures.convert_helpers import (
     greedy,
     half_split_to_interleaved,
     stories_llama2c_tensors,
+    write_llama2c_legacy,
     write_llama2c_v1,
     write_llama2c_v2,
     write_stories_gguf,
@@ -90,6 +91,32 @@ def test_mlx_lm_loads_and_generates_golden_text(float_folder, golden):
     assert text == golden["text"]
 
 
+def test_llama2c_legacy_writer_reproduces_the_real_file(tmp_path, stories_dir, stories_tensors):
+    """Our legacy writer (used for the untied case below) is identical to the real
+    stories260K.bin in every weight (its RoPE tables differ by float rounding)."""
+    tensors, config = stories_tensors
+    write_llama2c_legacy(tensors, config, tmp_path / "again.bin")
+    real = np.frombuffer((stories_dir / "stories260K.bin").read_bytes()[28:], "<f4")
+    again = np.frombuffer((tmp_path / "again.bin").read_bytes()[28:], "<f4")
+    assert real.shape == again.shape
+    n_tables = config["max_position_embeddings"] * config["head_dim"]  # cos and sin, head_dim/2 each
+    np.testing.assert_array_equal(again[:-n_tables], real[:-n_tables])
+    np.testing.assert_allclose(again[-n_tables:], real[-n_tables:], atol=1e-5, rtol=0)
+
+
+def test_llama2c_legacy_untied_classifier(tmp_path, stories_dir, stories_tensors, sequence, reference_logits):
+    """A negative vocab_size in the legacy header means a separate classifier at the end."""
+    tensors, config = stories_tensors
+    classifier = tensors["tok_embeddings"] * 0.5
+    shutil.copy(stories_dir / "tok512.model", tmp_path / "tok512.model")
+    write_llama2c_legacy(tensors, config, tmp_path / "untied.bin", classifier=classifier)
+    convert(tmp_path / "untied.bin", tmp_path / "out", **QUIET)
+    out_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_config["tie_word_embeddings"] is False
+    np.testing.assert_array_equal(np.array(mx.load(str(tmp_path / "out" / "model.safetensors"))["lm_head.weight"]), classifier)
+    np.testing.assert_allclose(logits_of(tmp_path / "out", sequence[:32]), 0.5 * reference_logits, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_llama2c_versioned_formats(version, tmp_path, stories_dir, stories_tensors, sequence, reference_logits, golden):
     tensors, config = stories_tensors
@@ -153,6 +180,18 @@ def half_split_to_interleaved_inverse(w: np.ndarray, config: dict) -> np.ndarray
     from convert.llama2c import interleaved_to_half_split
 
     return interleaved_to_half_split(w, config["num_attention_heads"])
+
+
+def test_quantized_gguf_output_runs_in_mlx_lm(tmp_path, stories_dir, stories_tensors, golden):
+    from mlx_lm import generate, load
+
+    tensors, config = stories_tensors
+    write_stories_gguf(tensors, config, stories_dir / "tok512.model", tmp_path / "q8.gguf", "Q8_0")
+    convert(tmp_path / "q8.gguf", tmp_path / "out", **QUIET)  # default dtype float16, 8-bit group 32
+    ours, _ = load_model(tmp_path / "out")
+    model, tokenizer = load(str(tmp_path / "out"))
+    text = generate(model, tokenizer, prompt=golden["prompt_ids"], max_tokens=30)
+    assert tokenizer.encode(text, add_special_tokens=False) == greedy(ours, golden["prompt_ids"], 30)
 
 
 def test_load_accepts_gguf_directly(tmp_path, stories_dir, stories_tensors, golden):
