@@ -59,7 +59,7 @@ def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, q
     """-> (weights, quantization of the result or None)."""
     quantization = source_quantization
     if quantization and (dequantize or quantize):
-        weights, quantization = dequantize_weights(weights, quantization), None
+        weights, quantization = dequantize_weights(weights, quantization, DTYPES.get(dtype)), None
     if dtype is not None:
         weights = cast_weights(weights, DTYPES[dtype])
     if quantize:

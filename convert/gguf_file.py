@@ -242,11 +242,12 @@ def read_gguf(path: Path) -> Checkpoint:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if "token_embd.weight" not in {t.name for t in reader.tensors}:
         raise UserError(f"{path}: GGUF file has no token_embd.weight tensor")
-    config = llama_config(meta, {t.name: t for t in reader.tensors})
-    weights, quantization = read_tensors(reader, config, path)
-    kinds = {t.tensor_type.name for t in reader.tensors}
-    config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if "BF16" in kinds else "float16"
     model = meta.get("tokenizer.ggml.model")
     if model != "llama":
         raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: 'llama' SentencePiece vocabularies)")
+    config = llama_config(meta, {t.name: t for t in reader.tensors})
+    weights, quantization = read_tensors(reader, config, path)
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    # float16 whenever blocks are carried over: their float16 scales stay exact
+    config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"
     return Checkpoint(config=config, weights=weights, files=sentencepiece_tokenizer(meta), quantization=quantization)

@@ -15,17 +15,20 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # 5 GiB, as mlx-lm
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
-def dequantize_weights(weights: dict, quantization: dict) -> dict:
-    """Every ``X.weight`` with ``X.scales``/``X.biases`` back to a float matrix."""
+def dequantize_weights(weights: dict, quantization: dict, dtype: mx.Dtype | None = None) -> dict:
+    """Every ``X.weight`` with ``X.scales``/``X.biases`` back to a float matrix of
+    ``dtype`` (default: the scales' dtype). Computed in float32, so a float32 result is
+    exact."""
     out = {}
     for name, tensor in weights.items():
         if name.endswith((".scales", ".biases")):
             continue
         base = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{base}.scales" in weights:
+            scales, biases = weights[f"{base}.scales"], weights[f"{base}.biases"]
             tensor = mx.dequantize(
-                tensor, weights[f"{base}.scales"], weights[f"{base}.biases"], quantization["group_size"], quantization["bits"]
-            )
+                tensor, scales.astype(mx.float32), biases.astype(mx.float32), quantization["group_size"], quantization["bits"]
+            ).astype(dtype or scales.dtype)
         out[name] = tensor
     return out
 

@@ -182,6 +182,19 @@ def half_split_to_interleaved_inverse(w: np.ndarray, config: dict) -> np.ndarray
     return interleaved_to_half_split(w, config["num_attention_heads"])
 
 
+def test_gguf_blocks_dequantized_or_requantized(tmp_path, stories_dir, stories_tensors, sequence, reference_logits):
+    tensors, config = stories_tensors
+    write_stories_gguf(tensors, config, stories_dir / "tok512.model", tmp_path / "q4.gguf", "Q4_0")
+    convert(tmp_path / "q4.gguf", tmp_path / "blocks", dtype="float32", **QUIET)
+    convert(tmp_path / "q4.gguf", tmp_path / "float", dequantize=True, dtype="float32", **QUIET)
+    convert(tmp_path / "q4.gguf", tmp_path / "q8", quantize=True, q_bits=8, q_group_size=64, **QUIET)
+    assert "quantization" not in json.loads((tmp_path / "float" / "config.json").read_text())
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
+    blocks = logits_of(tmp_path / "blocks", sequence[:32])
+    np.testing.assert_allclose(logits_of(tmp_path / "float", sequence[:32]), blocks, atol=1e-4, rtol=0)
+    assert np.abs(logits_of(tmp_path / "q8", sequence[:32]) - blocks).max() < 0.5
+
+
 def test_quantized_gguf_output_runs_in_mlx_lm(tmp_path, stories_dir, stories_tensors, golden):
     from mlx_lm import generate, load
 
