@@ -12,11 +12,12 @@ have fed one token more than it yielded (or one fewer), so the cache is trimmed 
 tokens the session knows, and anything it lacks is fed at the next turn.
 
 Context policy: the context holds ``min(max_position_embeddings, --max-kv-size)`` tokens.
-Before each answer the oldest exchanges (a user message and its answer) are dropped, the
-system prompt always kept, until the conversation plus room for an answer
-(``max_tokens``, at most half the context) fits; the cache is then rebuilt from the first
-token that changed. An answer that reaches the end of the context stops there with a
-notice. A single message too long for the context is refused with a notice.
+When the prompt plus room for an answer (``max_tokens``, at most half the context) would
+not fit, the oldest exchanges (a user message and its answer) are dropped, the system
+prompt always kept, until the prompt takes at most half of what is left; the cache is
+then rebuilt from the first token that changed (once every few turns, not every turn).
+An answer that reaches the end of the context stops there with a notice. A single
+message too long for the context is refused with a notice.
 """
 
 from __future__ import annotations
@@ -277,8 +278,15 @@ class ChatSession:
         return min(self.settings.max_tokens, self.context_limit // 2)
 
     def _drop_to_fit(self, target: list[int]) -> list[int]:
+        """When the prompt and room for an answer overflow the context, drop the oldest
+        exchanges until the prompt takes at most half of the rest: dropping changes the
+        start of the conversation, so the cache is rebuilt, and this way that happens
+        once every few turns rather than every turn."""
+        room = self.context_limit - self._reserve()
+        if len(target) <= room:
+            return target
         dropped = 0
-        while len(target) + self._reserve() > self.context_limit and self.conversation.drop_oldest_exchange():
+        while len(target) > room // 2 and self.conversation.drop_oldest_exchange():
             dropped += 1
             target = self.render(self.conversation.messages())
         if dropped:
@@ -289,11 +297,9 @@ class ChatSession:
         return target
 
     def _prompt_for_new_message(self) -> list[int]:
-        """The prompt for the message just added, after making room for it; a message
-        that cannot fit even alone is taken back, and the conversation left as it was."""
+        """The prompt for the message just added, after making room for it."""
         alone = Conversation(self.conversation.system, self.conversation.turns[-1:]).messages()
         if len(self.render(alone)) >= self.context_limit:
-            self.conversation.turns.pop()
             raise UserError(
                 f"message too long: with the system prompt it takes {len(self.render(alone))} tokens "
                 f"and the context holds {self.context_limit}"
@@ -310,7 +316,11 @@ class ChatSession:
 
         start = time.perf_counter()
         self.conversation.turns.append({"role": "user", "content": message})
-        target = self._prompt_for_new_message()
+        try:
+            target = self._prompt_for_new_message()
+        except UserError:  # too long, or refused by the template: the message is not kept
+            self.conversation.turns.pop()
+            raise
         feed = self.sync_cache(target)
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
@@ -354,9 +364,11 @@ class ChatSession:
         )
 
     # -- whole-conversation operations -------------------------------------------------
-    def clear(self) -> None:
-        """A new conversation; the system prompt stays."""
+    def clear(self, system_prompt_too: bool = False) -> None:
+        """A new conversation; the system prompt stays unless asked otherwise."""
         self.conversation.turns.clear()
+        if system_prompt_too:
+            self.conversation.system = None
         self.reset_cache()
 
     def undo(self) -> bool:

@@ -39,7 +39,9 @@ def _help(session: ChatSession, argument: str) -> str:
 
 
 def _clear(session: ChatSession, argument: str) -> str:
-    session.clear()
+    if argument not in ("", "system"):
+        raise UserError("usage: /clear, or /clear system to drop the system prompt too")
+    session.clear(system_prompt_too=argument == "system")
     kept = " (the system prompt is kept)" if session.conversation.system else ""
     return f"Started a new conversation{kept}."
 
@@ -118,7 +120,7 @@ def _bye(session: ChatSession, argument: str) -> str:
 
 COMMANDS: dict[str, Command] = {
     "help": Command("/help", "show this help", _help),
-    "clear": Command("/clear", "start a new conversation (keeps the system prompt)", _clear),
+    "clear": Command("/clear [system]", "start a new conversation (keeps the system prompt unless 'system')", _clear),
     "system": Command("/system TEXT", "set the system prompt (alone: show it)", _system),
     "set": Command("/set NAME VALUE", f"set {', '.join(SETTING_RULES)} (or system)", _set),
     "show": Command("/show", "show the model, parameters and context used", _show),

@@ -13,6 +13,7 @@ from mlx_tfm.chat import ChatSession, Settings, common_prefix_length
 from mlx_tfm.chat_commands import Quit, run_command
 from mlx_tfm.cli.chat import read_message
 from mlx_tfm.errors import UserError
+from mlx_tfm.tokenizer import load_tokenizer
 
 # A minimal template in the usual shape: BOS, turns, EOS after each answer.
 CHAT_TEMPLATE = (
@@ -37,8 +38,13 @@ def with_chat_template(source, folder, **config_changes):
 
 
 @pytest.fixture(scope="module")
-def chat_model(stories_hf, tmp_path_factory):
-    return mlx_tfm.load(with_chat_template(stories_hf, tmp_path_factory.mktemp("chat") / "model"))
+def chat_folder(stories_hf, tmp_path_factory):
+    return with_chat_template(stories_hf, tmp_path_factory.mktemp("chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_folder):
+    return mlx_tfm.load(chat_folder)
 
 
 class CountingModel:
@@ -186,6 +192,10 @@ def test_a_long_conversation_drops_the_oldest_exchanges(chat_model, stories_hf, 
         assert len(session.cached_tokens) <= limit
         assert {c.offset for c in session.cache} == {len(session.cached_tokens)}
         if any("dropped" in n for n in notices):
+            # enough was dropped that the next turns again run from the cache
+            prompt_tokens = session.last_stats.conversation_tokens - session.last_stats.generation_tokens
+            only_the_last_exchange = len(session.conversation.turns) == 2
+            assert prompt_tokens <= (limit - min(40, limit // 2)) // 2 or only_the_last_exchange
             break
     assert any("dropped the" in n and "oldest exchange" in n for n in notices)
     assert session.conversation.system == "A story."
@@ -278,3 +288,24 @@ def test_cli_errors(stories_hf, capsys):
     assert "error: temp must be a number >= 0" in capsys.readouterr().err
     assert main(["chat", "--model", str(stories_hf), "--max-kv-size", "1"]) == 1
     assert "error: --max-kv-size must be at least 2" in capsys.readouterr().err
+
+
+def test_a_template_that_refuses_a_system_prompt(chat_model, chat_folder):
+    """Templates like Gemma's raise on a system message: a one-line hint, the message is
+    not kept, and `/clear system` gets the conversation going again."""
+    model, _ = chat_model
+    tokenizer = load_tokenizer(chat_folder)
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + CHAT_TEMPLATE
+    )
+    session = ChatSession(model, tokenizer, Settings(max_tokens=4), system_prompt="Be kind.")
+    with pytest.raises(UserError, match="the chat template refused these messages: System role not supported"):
+        list(session.answer("Hi."))
+    assert session.conversation.turns == []
+    assert run_command(session, "/clear system") == "Started a new conversation."
+    assert session.conversation.system is None
+    list(session.answer("Hi."))
+    assert len(session.conversation.turns) == 2
+    with pytest.raises(UserError, match="usage: /clear"):
+        run_command(session, "/clear everything")
