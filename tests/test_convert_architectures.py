@@ -5,7 +5,6 @@ The folders we write also load in mlx-lm with the same logits."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

@@ -262,3 +262,35 @@ def test_offline_hub_repo_via_python_m_convert(tmp_path):
 def test_safetensors_file_instead_of_folder(tmp_path, hf_folder, capsys):
     err = run_cli(capsys, "--hf-path", hf_folder / "model.safetensors", "--mlx-path", tmp_path / "out")
     assert "is a safetensors file: pass the folder" in err
+
+
+KILLED_MID_WRITE = """
+import sys, time
+import mlx_tfm
+import convert.writer as writer
+from mlx_tfm.cli import main
+
+write = writer.save_shard
+def slow(path, tensors):
+    write(path, tensors)
+    open(sys.argv[3], "w").close()  # tell the test a shard is on disk
+    time.sleep(60)
+writer.save_shard = slow
+main(["convert", "--hf-path", sys.argv[1], "--mlx-path", sys.argv[2], "--max-shard-size", "20KB"])
+"""
+
+
+def test_kill_mid_write_leaves_no_output(tmp_path, hf_folder):
+    import time
+
+    out, marker = tmp_path / "out", tmp_path / "shard-written"
+    process = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(hf_folder), str(out), str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the converter never wrote a shard"
+    finally:
+        process.kill()
+        process.wait()
+    assert not out.exists()  # only a hidden temporary sibling, never a half-written OUT

@@ -10,7 +10,6 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import data_path
 from fixtures.convert_helpers import (
     greedy,
     half_split_to_interleaved,
