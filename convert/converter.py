@@ -150,7 +150,12 @@ def convert(
     )
     config = output_config(checkpoint.config, quantization, dtype_name(weights))
     names = write_folder(target, config, weights, checkpoint.files, max_bytes, overwrite)
-    how = f"{quantization['bits']}-bit, group {quantization['group_size']}" if quantization else config["torch_dtype"]
+    how = config["torch_dtype"]
+    if quantization:
+        n_quantized = sum(name.endswith(".scales") for name in weights)
+        n_float = sum(name.endswith(".weight") and weights[name].ndim == 2 for name in weights) - n_quantized
+        how = f"{quantization['bits']}-bit, group {quantization['group_size']}, {n_quantized} matrices quantized"
+        how += f", {n_float} kept in {config['torch_dtype']} (width not a multiple of the group size)" if n_float else ""
     log(f"wrote {target} ({how}, {len(names)} weight file{'s' if len(names) > 1 else ''})")
     return target
 
