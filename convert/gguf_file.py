@@ -2,8 +2,9 @@
 
 Q8_0, Q4_0 and Q4_1 blocks (32 weights, one float16 scale, Q4_1 also an offset) are
 exactly MLX affine quantization with group size 32, so the most common of them is carried
-over bit for bit; every other tensor is decoded to float. The tokenizer metadata of a
-SentencePiece-style ("llama") vocabulary becomes a ``tokenizer.model``.
+over bit for bit; every other tensor is decoded to float. The tokenizer metadata becomes a
+``tokenizer.model`` for a SentencePiece-style ("llama") vocabulary, a ``tokenizer.json``
+for a GPT-2-style byte-level BPE ("gpt2") one.
 
 llama.cpp's converter permutes q/k rows of Llama models into interleaved-RoPE order;
 that is undone here so the output is a plain Hugging Face Llama.
@@ -234,6 +235,51 @@ def sentencepiece_tokenizer(meta: dict) -> dict[str, bytes]:
     }
 
 
+# llama.cpp's ``tokenizer.ggml.pre`` names whose pre-tokenizer is GPT-2's own regex.
+GPT2_PRE_TOKENIZERS = ("default", "gpt2")
+
+
+def byte_level_bpe_tokenizer(meta: dict, path: Path) -> dict[str, bytes]:
+    """A GPT-2-style GGUF vocabulary (byte-level pieces and merges) -> tokenizer.json,
+    built with the ``tokenizers`` library. Control tokens (type 3) become special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in GPT2_PRE_TOKENIZERS:
+        raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(GPT2_PRE_TOKENIZERS)})")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == 3])
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    if add_bos:
+        bos = tokens[int(bos_id)]
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, int(bos_id))])
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[int(bos_id)] if bos_id is not None else None,
+        "eos_token": tokens[int(eos_id)] if eos_id is not None else None,
+        "add_bos_token": add_bos,
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in meta:
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+    return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2).encode()}
+
+
+def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
+    model = meta.get("tokenizer.ggml.model")
+    if model == "llama":
+        return sentencepiece_tokenizer(meta)
+    if model == "gpt2":
+        return byte_level_bpe_tokenizer(meta, path)
+    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2)")
+
+
 def read_gguf(path: Path) -> Checkpoint:
     reader = open_reader(path)
     meta = metadata(reader)
@@ -242,12 +288,10 @@ def read_gguf(path: Path) -> Checkpoint:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if "token_embd.weight" not in {t.name for t in reader.tensors}:
         raise UserError(f"{path}: GGUF file has no token_embd.weight tensor")
-    model = meta.get("tokenizer.ggml.model")
-    if model != "llama":
-        raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: 'llama' SentencePiece vocabularies)")
+    files = tokenizer_files(meta, path)
     config = llama_config(meta, {t.name: t for t in reader.tensors})
     weights, quantization = read_tensors(reader, config, path)
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"
-    return Checkpoint(config=config, weights=weights, files=sentencepiece_tokenizer(meta), quantization=quantization)
+    return Checkpoint(config=config, weights=weights, files=files, quantization=quantization)
