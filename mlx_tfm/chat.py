@@ -32,9 +32,6 @@ from typing import Any, Callable, Iterator
 from .errors import UserError
 from .files import atomic_file
 
-PREFILL_STEP = 512  # prompt tokens processed per forward pass when rebuilding the cache
-
-
 # -- sampling settings (the /set parameters) --------------------------------------------
 
 
@@ -259,10 +256,9 @@ class ChatSession:
         """Feed ``tokens`` into the cache without generating (for ``/load``)."""
         import mlx.core as mx
 
-        for start in range(0, len(tokens), PREFILL_STEP):
-            chunk = mx.array(tokens[start : start + PREFILL_STEP])[None]  # (1, L)
-            self.model(chunk, cache=self.cache)
-            mx.eval([layer_cache.state for layer_cache in self.cache])
+        from .generate import prefill
+
+        prefill(self.model, mx.array(tokens, dtype=mx.int32), self.cache)
         self.cached_tokens += list(tokens)
 
     def rebuild_cache(self) -> int:

@@ -166,3 +166,13 @@ def test_piped_input_and_the_fallback_template(stories_hf):
     assert result.stdout.startswith(answers[0] + "\n\n")
     assert "chat template: the plain User:/Assistant: fallback" in result.stdout
     assert "[unknown command /nope; type /help for the list]" in result.stdout
+
+
+def test_without_model_it_uses_the_default_offline(tmp_path):
+    """No --model and no network: the tiny model shipped with mlx-tfm, as for generate."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = subprocess.run([sys.executable, "-m", "mlx_tfm", "chat"], input="/show\n/bye\n", capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "using the tiny stories model shipped with mlx-tfm" in result.stderr
+    assert re.search(r"model: .*mlx_tfm/assets/default-model\n", result.stdout)

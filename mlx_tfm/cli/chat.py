@@ -163,6 +163,9 @@ def repl(session, reader, screen: Screen) -> int:
             return 0
         except UserError as e:
             screen.notice(str(e))
+        except KeyboardInterrupt:  # during a command (/load's rebuild): it may be half done
+            session.reset_cache()
+            screen.notice("interrupted; the cache will be rebuilt at the next message")
 
 
 def run(args) -> int:
