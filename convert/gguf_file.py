@@ -167,15 +167,18 @@ def to_mlx_quantized(kind: str, data: np.ndarray) -> tuple[mx.array, mx.array, m
     return mx.array(weight), mx.array(d), mx.array(biases.astype(np.float16))
 
 
-def read_tensors(reader, config: dict, path: Path) -> tuple[dict, dict | None]:
-    tensors = {t.name: t for t in reader.tensors}
+def check_tensor_types(reader, path: Path) -> None:
     supported = set(FLOAT_TYPES) | set(EXACT_TYPES) | set(DECODED_TYPES)
-    for t in tensors.values():
+    for t in reader.tensors:
         if t.tensor_type.name not in supported:
             raise UserError(
                 f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
                 f"(supported: {', '.join(sorted(supported))})"
             )
+
+
+def read_tensors(reader, config: dict) -> tuple[dict, dict | None]:
+    tensors = {t.name: t for t in reader.tensors}
     exact = exact_type(tensors)
     weights = {}
     for gguf_name, t in tensors.items():
@@ -288,9 +291,10 @@ def read_gguf(path: Path) -> Checkpoint:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if "token_embd.weight" not in {t.name for t in reader.tensors}:
         raise UserError(f"{path}: GGUF file has no token_embd.weight tensor")
+    check_tensor_types(reader, path)
     files = tokenizer_files(meta, path)
     config = llama_config(meta, {t.name: t for t in reader.tensors})
-    weights, quantization = read_tensors(reader, config, path)
+    weights, quantization = read_tensors(reader, config)
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"
