@@ -150,14 +150,18 @@ def convert(
     )
     config = output_config(checkpoint.config, quantization, dtype_name(weights))
     names = write_folder(target, config, weights, checkpoint.files, max_bytes, overwrite)
-    how = config["torch_dtype"]
-    if quantization:
-        n_quantized = sum(name.endswith(".scales") for name in weights)
-        n_float = sum(name.endswith(".weight") and weights[name].ndim == 2 for name in weights) - n_quantized
-        how = f"{quantization['bits']}-bit, group {quantization['group_size']}, {n_quantized} matrices quantized"
-        how += f", {n_float} kept in {config['torch_dtype']} (width not a multiple of the group size)" if n_float else ""
-    log(f"wrote {target} ({how}, {len(names)} weight file{'s' if len(names) > 1 else ''})")
+    log(f"wrote {target} ({describe(weights, quantization, config['torch_dtype'])}, {len(names)} weight file(s))")
     return target
+
+
+def describe(weights: dict, quantization: dict | None, dtype: str) -> str:
+    """'float16' or '4-bit, group 64, 210 matrices quantized, 1 kept in float16'."""
+    if not quantization:
+        return dtype
+    n_quantized = sum(name.endswith(".scales") for name in weights)
+    n_float = sum(name.endswith(".weight") and weights[name].ndim == 2 for name in weights) - n_quantized
+    text = f"{quantization['bits']}-bit, group {quantization['group_size']}, {n_quantized} matrices quantized"
+    return text + (f", {n_float} kept in {dtype}" if n_float else "")
 
 
 _TEMPORARY_FOLDERS: list[str] = []
