@@ -103,8 +103,9 @@ class Conversation:
         return True
 
     def drop_oldest_exchange(self) -> bool:
-        """Forget the first user message and its answer; the last message always stays."""
-        if len(self.turns) < 2:
+        """Forget the first user message and its answer; the last exchange (or a new
+        message after it) always stays."""
+        if len(self.turns) <= 2:
             return False
         del self.turns[: 2 if self.turns[1]["role"] == "assistant" else 1]
         return True

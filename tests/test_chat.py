@@ -309,3 +309,30 @@ def test_a_template_that_refuses_a_system_prompt(chat_model, chat_folder):
     assert len(session.conversation.turns) == 2
     with pytest.raises(UserError, match="usage: /clear"):
         run_command(session, "/clear everything")
+
+
+def test_set_seed_makes_sampling_repeatable(chat_model):
+    session = session_of(chat_model, max_tokens=16)
+    run_command(session, "/set temp 1.0")
+    answers = []
+    for seed in (3, 3, 4):
+        run_command(session, f"/set seed {seed}")
+        answers.append("".join(session.answer(MESSAGES[0])))
+        session.undo()
+    assert answers[0] == answers[1] != answers[2]
+
+
+def test_loading_a_conversation_longer_than_the_context(chat_model, tmp_path):
+    model, tokenizer = chat_model
+    path = tmp_path / "long.json"
+    exchanges = [[{"role": "user", "content": f"Question {i} about the ball?"},
+                  {"role": "assistant", "content": "The ball was red and big and round. " * 3}] for i in range(6)]
+    path.write_text(json.dumps({"messages": [m for pair in exchanges for m in pair]}))
+    notices = []
+    session = ChatSession(model, tokenizer, Settings(max_tokens=16), max_kv_size=128, on_notice=notices.append)
+    session.load(path)
+    assert any("dropped" in n for n in notices)
+    assert 0 < len(session.conversation.turns) < 12 and len(session.cached_tokens) <= 128
+    assert_cache_holds(session, model)
+    list(session.answer("And then?"))
+    assert {c.offset for c in session.cache} == {len(session.cached_tokens)}
