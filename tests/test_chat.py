@@ -262,7 +262,10 @@ class FakeReader:
     def read(self, prompt):
         if not self.lines:
             raise EOFError
-        return self.lines.pop(0)
+        line = self.lines.pop(0)
+        if line is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return line
 
 
 @pytest.mark.parametrize(
@@ -273,6 +276,7 @@ class FakeReader:
         (['"""first', 'second"""'], "first\nsecond"),
         (['"""one line"""'], "one line"),
         (['"""', "unfinished"], "unfinished"),
+        (['"""', "dropped", KeyboardInterrupt], ""),
     ],
 )
 def test_multi_line_messages(lines, message):

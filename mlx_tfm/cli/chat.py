@@ -72,7 +72,8 @@ class PipeReader:
 
 def read_message(reader) -> str:
     """One message: a line, or the lines between a line starting with \"\"\" and one
-    ending with \"\"\" (Ollama's convention). EOF inside a block ends the block."""
+    ending with \"\"\" (Ollama's convention). EOF inside a block ends the block;
+    Ctrl-C inside a block drops it (an empty message)."""
     from ..chat_commands import MULTILINE_MARK
 
     line = reader.read(">>> ")
@@ -84,6 +85,8 @@ def read_message(reader) -> str:
             lines.append(reader.read("... "))
         except EOFError:
             return "\n".join(lines).strip("\n")
+        except KeyboardInterrupt:
+            return ""
     lines[-1] = lines[-1][: -len(MULTILINE_MARK)]
     return "\n".join(lines).strip("\n")
 
