@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ from mlx_tfm.errors import UserError
 from .checkpoint import Checkpoint
 from .llama2c import interleaved_to_half_split
 
-# GGUF tensor names -> Hugging Face Llama names.
+# GGUF tensor names -> Hugging Face Llama / Qwen2 names.
 LLAMA_NAMES = (
     (r"token_embd\.weight", r"model.embed_tokens.weight"),
     (r"output_norm\.weight", r"model.norm.weight"),
@@ -34,13 +35,26 @@ LLAMA_NAMES = (
     (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
     (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
     (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
+    (r"blk\.(\d+)\.attn_q\.bias", r"model.layers.\1.self_attn.q_proj.bias"),
+    (r"blk\.(\d+)\.attn_k\.bias", r"model.layers.\1.self_attn.k_proj.bias"),
+    (r"blk\.(\d+)\.attn_v\.bias", r"model.layers.\1.self_attn.v_proj.bias"),
     (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
     (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
     (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
     (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
 )
-SUPPORTED_ARCHITECTURES = ("llama",)
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    model_type: str  # the Hugging Face model_type it becomes
+    hf_architecture: str
+    permuted_qk: bool  # llama.cpp stores Llama q/k rows in interleaved-RoPE order
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types MLX holds exactly: name -> bits (group size 32).
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
@@ -74,15 +88,14 @@ def metadata(reader) -> dict:
     return values
 
 
-def llama_config(meta: dict, tensors: dict) -> dict:
-    arch = "llama"
+def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     try:
         n_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [GGUF_ARCHITECTURES[arch].hf_architecture],
+            "model_type": GGUF_ARCHITECTURES[arch].model_type,
             "hidden_size": hidden,
             "intermediate_size": int(get("feed_forward_length")),
             "num_hidden_layers": int(get("block_count")),
@@ -97,7 +110,7 @@ def llama_config(meta: dict, tensors: dict) -> dict:
             "tie_word_embeddings": "output.weight" not in tensors,
         }
     except (TypeError, KeyError) as e:
-        raise UserError(f"GGUF metadata lacks what a llama model needs ({e})") from None
+        raise UserError(f"GGUF metadata lacks what a {arch} model needs ({e})") from None
     if get("rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     for key in ("bos_token_id", "eos_token_id"):
@@ -120,8 +133,10 @@ def exact_type(tensors: dict) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def unpermute_rows(data: np.ndarray, name: str, config: dict) -> np.ndarray:
+def unpermute_rows(data: np.ndarray, name: str, config: dict, arch: str) -> np.ndarray:
     """Undo llama.cpp's q/k permutation; works on raw quantized rows as on float rows."""
+    if not GGUF_ARCHITECTURES[arch].permuted_qk:
+        return data
     if name.endswith("self_attn.q_proj.weight"):
         return interleaved_to_half_split(data, config["num_attention_heads"])
     if name.endswith("self_attn.k_proj.weight"):
@@ -177,13 +192,13 @@ def check_tensor_types(reader, path: Path) -> None:
             )
 
 
-def read_tensors(reader, config: dict) -> tuple[dict, dict | None]:
+def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
     tensors = {t.name: t for t in reader.tensors}
     exact = exact_type(tensors)
     weights = {}
     for gguf_name, t in tensors.items():
         name = hf_name(gguf_name)
-        data = unpermute_rows(t.data, name, config)
+        data = unpermute_rows(t.data, name, config, arch)
         kind = t.tensor_type.name
         if kind == exact and data.ndim == 2:
             base = name.removesuffix(".weight")
@@ -238,25 +253,55 @@ def sentencepiece_tokenizer(meta: dict) -> dict[str, bytes]:
     }
 
 
-# llama.cpp's ``tokenizer.ggml.pre`` names whose pre-tokenizer is GPT-2's own regex.
-GPT2_PRE_TOKENIZERS = ("default", "gpt2")
+# llama.cpp's ``tokenizer.ggml.pre`` names -> the regex that splits text before byte-level
+# BPE (None: GPT-2's own, built into the ByteLevel pre-tokenizer).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "default": None,
+    "gpt2": None,
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+}
+
+
+def byte_level_pre_tokenizer(pre: str, path: Path):
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZER_SPLITS)})")
+    split = PRE_TOKENIZER_SPLITS[pre]
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def byte_level_bpe_tokenizer(meta: dict, path: Path) -> dict[str, bytes]:
     """A GPT-2-style GGUF vocabulary (byte-level pieces and merges) -> tokenizer.json,
-    built with the ``tokenizers`` library. Control tokens (type 3) become special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    built with the ``tokenizers`` library."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in GPT2_PRE_TOKENIZERS:
-        raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(GPT2_PRE_TOKENIZERS)})")
+    pre_tokenizer = byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
     tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
+    # control tokens (type 3) are special; user-defined ones (type 4) are matched whole
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == 3])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, k in enumerate(types) if k == 4])
     bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
     if add_bos:
@@ -287,14 +332,14 @@ def read_gguf(path: Path) -> Checkpoint:
     reader = open_reader(path)
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
     if "token_embd.weight" not in {t.name for t in reader.tensors}:
         raise UserError(f"{path}: GGUF file has no token_embd.weight tensor")
     check_tensor_types(reader, path)
     files = tokenizer_files(meta, path)
-    config = llama_config(meta, {t.name: t for t in reader.tensors})
-    weights, quantization = read_tensors(reader, config)
+    config = hf_config(meta, {t.name: t for t in reader.tensors}, arch)
+    weights, quantization = read_tensors(reader, config, arch)
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"

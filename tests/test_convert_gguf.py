@@ -1,6 +1,6 @@
-"""GGUF with a GPT-2-style byte-level BPE vocabulary (as llama.cpp writes SmolLM-like
-Llamas): the weights convert exactly and the metadata becomes a tokenizer.json that
-tokenizes like the original."""
+"""GGUF against transformers' own GGUF reader (an independent implementation of
+llama.cpp's conventions): Llama with a SentencePiece vocab and with Llama-3-style
+byte-level BPE, Qwen2 with biases and Qwen2's pre-tokenizer, quantized blocks included."""
 
 from __future__ import annotations
 
@@ -8,64 +8,108 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from conftest import data_path
-from fixtures.convert_helpers import make_hf_model, train_byte_level_bpe, write_hf_llama_gguf
+from fixtures.convert_helpers import (
+    greedy,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+    stories_llama2c_tensors,
+    train_byte_level_bpe,
+    transformers_from_gguf,
+    write_hf_gguf,
+    write_stories_gguf,
+)
 
 import mlx_tfm
 from convert.converter import convert
 from mlx_tfm.loading import load_model
 
 QUIET = dict(log=lambda *_: None)
+IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
 
 
-def test_gguf_byte_level_bpe(tmp_path):
-    lines = data_path("tinyshakespeare", "input.txt").read_text().splitlines()
-    tokenizer = train_byte_level_bpe(lines[:3000], vocab_size=300)
+def our_logits(folder, ids) -> np.ndarray:
+    model, _ = load_model(folder)
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0"])
+def test_stories_gguf_matches_transformers_gguf_reader(kind, tmp_path, stories_dir, stories_hf, golden):
+    tensors, config = stories_llama2c_tensors(stories_hf)
+    write_stories_gguf(tensors, config, stories_dir / "tok512.model", tmp_path / "s.gguf", kind)
+    convert(tmp_path / "s.gguf", tmp_path / "out", dtype="float32", **QUIET)
+    reference, reference_tokenizer = transformers_from_gguf(tmp_path / "s.gguf")
+    ids = golden["prompt_ids"] + golden["generated_ids"][:40]
+    np.testing.assert_allclose(our_logits(tmp_path / "out", ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    _, tokenizer = mlx_tfm.load(tmp_path / "out")
+    assert tokenizer.encode(golden["text"], add_special_tokens=False) == reference_tokenizer.encode(
+        golden["text"], add_special_tokens=False
+    )
+
+
+@pytest.fixture(scope="module")
+def shakespeare() -> list[str]:
+    return data_path("tinyshakespeare", "input.txt").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def bpe(shakespeare):
+    """A byte-level BPE trained here, as GGUF metadata: (tokens, merges, end-of-text id)."""
+    tokenizer = train_byte_level_bpe(shakespeare[:3000] + ["1234567 89 2024 3.14159"] * 50, vocab_size=300)
     model_json = json.loads(tokenizer.to_str())["model"]
     tokens = sorted(model_json["vocab"], key=model_json["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]]
-    eot = tokenizer.token_to_id("<|endoftext|>")
+    return tokens, merges, tokenizer.token_to_id("<|endoftext|>")
+
+
+def bpe_writer(bpe, pre: str):
+    tokens, merges, eot = bpe
 
     def add_tokenizer(writer):
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt2")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types([3 if i == eot else 1 for i in range(len(tokens))])
         writer.add_token_merges(merges)
         writer.add_bos_token_id(eot)
         writer.add_eos_token_id(eot)
 
-    make_hf_model("llama", tmp_path / "hf", vocab_size=len(tokens), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
-    write_hf_llama_gguf(tmp_path / "hf", tmp_path / "model.gguf", add_tokenizer)
+    return add_tokenizer
+
+
+@pytest.mark.parametrize("arch,pre", [("llama", "gpt2"), ("llama", "llama-bpe"), ("qwen2", "qwen2")])
+def test_byte_level_bpe_gguf(arch, pre, tmp_path, bpe, shakespeare):
+    tokens, _, eot = bpe
+    hf = make_hf_model(arch, tmp_path / "hf", vocab_size=len(tokens), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, pre), arch=arch)
     convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
-    convert(tmp_path / "hf", tmp_path / "reference", **QUIET)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == arch
 
-    ours, _ = load_model(tmp_path / "out")
-    reference, _ = load_model(tmp_path / "reference")
-    ids = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77]
-    np.testing.assert_allclose(np.array(ours(mx.array([ids]))), np.array(reference(mx.array([ids]))), atol=1e-5, rtol=0)
+    reference, reference_tokenizer = transformers_from_gguf(tmp_path / "model.gguf")
+    np.testing.assert_allclose(our_logits(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(our_logits(tmp_path / "out", IDS), hf_logits(reference, IDS), atol=1e-4, rtol=0)
+    model, tokenizer = mlx_tfm.load(tmp_path / "out")
+    assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
 
-    _, converted = mlx_tfm.load(tmp_path / "out")
-    text = "\n".join(lines[5000:5040]) + " <|endoftext|>"
-    assert converted.encode(text, add_special_tokens=False) == tokenizer.encode(text).ids
-    assert converted.decode(tokenizer.encode("First Citizen:\nBefore we proceed").ids) == "First Citizen:\nBefore we proceed"
+    text = "\n".join(shakespeare[5000:5030]) + " In 1603, 12345 men's <|endoftext|> they'll  go"
+    ours = tokenizer.encode(text, add_special_tokens=False)
+    assert ours == reference_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ours) == text.replace(" <|endoftext|>", " ")  # specials are skipped in decode
 
-    from mlx_lm import load as mlx_lm_load  # transformers reads the same tokenizer.json
+    from mlx_lm import load as mlx_lm_load  # transformers reads our tokenizer.json the same way
 
     _, theirs = mlx_lm_load(str(tmp_path / "out"))
-    assert theirs.encode(text, add_special_tokens=False) == tokenizer.encode(text).ids
+    assert theirs.encode(text, add_special_tokens=False) == ours
 
 
-def test_unsupported_gguf_pre_tokenizer(tmp_path, capsys):
+def test_unsupported_gguf_pre_tokenizer(tmp_path, bpe, capsys):
     from test_convert_errors import run_cli
 
-    def add_tokenizer(writer):
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
-        writer.add_token_list(["a", "b"])
-
-    make_hf_model("llama", tmp_path / "hf")
-    write_hf_llama_gguf(tmp_path / "hf", tmp_path / "model.gguf", add_tokenizer)
+    tokens, _, eot = bpe
+    make_hf_model("llama", tmp_path / "hf", vocab_size=len(tokens))
+    write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "tekken"))
     capsys.readouterr()  # transformers' progress bars
     err = run_cli(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
-    assert "pre-tokenizer 'qwen2' is not supported" in err
+    assert "pre-tokenizer 'tekken' is not supported" in err and "llama-bpe" in err
