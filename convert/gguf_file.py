@@ -6,8 +6,9 @@ over bit for bit; every other tensor is decoded to float. The tokenizer metadata
 ``tokenizer.model`` for a SentencePiece-style ("llama") vocabulary, a ``tokenizer.json``
 for a GPT-2-style byte-level BPE ("gpt2") one.
 
-llama.cpp's converter permutes q/k rows of Llama models into interleaved-RoPE order;
-that is undone here so the output is a plain Hugging Face Llama.
+Architectures: llama and qwen2, which share llama.cpp's tensor names. llama.cpp's converter
+permutes q/k rows of Llama models into interleaved-RoPE order; that is undone here so the
+output is a plain Hugging Face Llama.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ LLAMA_NAMES = (
     (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
     (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
 )
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -171,15 +174,18 @@ def to_mlx_quantized(kind: str, data: np.ndarray) -> tuple[mx.array, mx.array, m
     if kind == "Q8_0":
         values = (payload.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # (rows, n_blocks, 32)
         packed = values.reshape(rows, -1)
-        biases = -128 * d
+        biases = -128 * d.astype(np.float32)
     else:
         # a block's byte j holds element j (low nibble) and element j + 16 (high nibble)
         values = np.concatenate([payload & 0x0F, payload >> 4], axis=-1)  # (rows, n_blocks, 32)
         pairs = values.reshape(rows, -1, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
-        biases = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1" else -8 * d
+        biases = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1" else -8 * d.astype(np.float32)
     weight = np.ascontiguousarray(packed).view(np.uint32)  # (rows, in * bits / 32)
-    return mx.array(weight), mx.array(d), mx.array(biases.astype(np.float16))
+    scales, biases = d.astype(np.float32), biases.astype(np.float32)
+    if np.abs(biases).max() <= np.finfo(np.float16).max:  # -128 d can overflow float16
+        scales, biases = d, biases.astype(np.float16)
+    return mx.array(weight), mx.array(scales), mx.array(biases)
 
 
 def check_tensor_types(reader, path: Path) -> None:

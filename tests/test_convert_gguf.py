@@ -35,7 +35,7 @@ def our_logits(folder, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0", "Q4_1"])
 def test_stories_gguf_matches_transformers_gguf_reader(kind, tmp_path, stories_dir, stories_hf, golden):
     tensors, config = stories_llama2c_tensors(stories_hf)
     write_stories_gguf(tensors, config, stories_dir / "tok512.model", tmp_path / "s.gguf", kind)
@@ -113,3 +113,23 @@ def test_unsupported_gguf_pre_tokenizer(tmp_path, bpe, capsys):
     capsys.readouterr()  # transformers' progress bars
     err = run_cli(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
     assert "pre-tokenizer 'tekken' is not supported" in err and "llama-bpe" in err
+
+
+@pytest.mark.parametrize(
+    "kind,magnitude",
+    # 3e4: the bias (-128 d, -8 d) overflows float16, so float32 scales are kept
+    [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q8_0", 3e4), ("Q4_0", 3e4)],
+)
+def test_block_mapping_is_exact(kind, magnitude):
+    import gguf
+
+    from convert.gguf_file import to_mlx_quantized
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = (np.random.default_rng(0).standard_normal((8, 96)) * magnitude).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    packed, scales, biases = to_mlx_quantized(kind, blocks)
+    assert scales.dtype == (mx.float32 if magnitude > 1 else mx.float16)
+    bits = 8 if kind == "Q8_0" else 4
+    ours = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(ours), gguf.quants.dequantize(blocks, qtype))

@@ -142,7 +142,7 @@ def test_q_k_permutation_round_trip():
     assert interleaved_to_half_split(w, 2)[:4, 0].tolist() == [0, 12, 6, 18]
 
 
-@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf(kind, tmp_path, stories_dir, stories_tensors, sequence, reference_logits, golden):
     import gguf
     import sentencepiece as spm
@@ -162,7 +162,7 @@ def test_gguf(kind, tmp_path, stories_dir, stories_tensors, sequence, reference_
         assert np.abs(ours - reference_logits).max() < 0.1
         return
     # Quantized blocks are carried over exactly: MLX's dequantization equals gguf's.
-    bits = {"Q8_0": 8, "Q4_0": 4}[kind]
+    bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}[kind]
     assert out_config["quantization"]["bits"] == bits and out_config["quantization"]["group_size"] == 32
     reader = gguf.GGUFReader(str(source))
     raw = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
