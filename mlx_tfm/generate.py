@@ -112,57 +112,60 @@ def generate_step(
     """Yield ``(token, logprobs (V,))`` for up to ``max_tokens`` new tokens after ``prompt`` (L,).
 
     The next step is queued (``mx.async_eval``) before the current token is handed out,
-    so the model computes while the caller detokenizes and prints.
+    so the model computes while the caller detokenizes and prints. NaN logits raise a
+    ``UserError``.
     """
     sampler = sampler or greedy
     cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
     step = make_step(model, cache, sampler, logits_processors, prompt)
 
     prefill(model, prompt[:-1], cache, prefill_step_size)
-    token, logprobs = step(prompt[-1:])
-    mx.async_eval(token, logprobs)
+    token, logprobs, log_norm = step(prompt[-1:])
+    mx.async_eval(token, logprobs, log_norm)
     for n in range(max_tokens):
         # Queue the forward pass of this token before waiting for it: also for the last
         # one, so that the cache always holds every token yielded.
-        next_token, next_logprobs = step(token)
-        mx.async_eval(next_token, next_logprobs)
+        next_token, next_logprobs, next_log_norm = step(token)
+        mx.async_eval(next_token, next_logprobs, next_log_norm)
+        check_finite(log_norm)
         yield token.item(), logprobs
-        token, logprobs = next_token, next_logprobs
+        token, logprobs, log_norm = next_token, next_logprobs, next_log_norm
+
+
+def check_finite(log_norm: mx.array) -> None:
+    """NaN anywhere in the logits makes their log-sum-exp NaN: one number to look at,
+    evaluated together with the token."""
+    value = log_norm.item()
+    if value != value:
+        raise UserError("the model produced NaN logits: its weights are broken or overflow in this dtype")
 
 
 def make_step(model, cache: list, sampler: Sampler, logits_processors: list[LogitsProcessor] | None,
-              prompt: mx.array) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-    """One decode step ``token (1,) -> (next token (1,), logprobs (V,))``, chosen once:
-    without processors no token history is kept at all."""
+              prompt: mx.array) -> Callable[[mx.array], tuple[mx.array, mx.array, mx.array]]:
+    """One decode step ``token (1,) -> (next token (1,), logprobs (V,), log-sum-exp of the
+    logits)``, chosen once: without processors no token history is kept at all."""
 
-    def logprobs_of(token: mx.array, logits_transform=None):
-        logits = model(token[None], cache=cache)[:, -1, :]  # (1, V)
-        if logits_transform is not None:
-            logits = logits_transform(logits)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    def sample(logits: mx.array):
+        log_norm = mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, 1)
+        logprobs = logits - log_norm
+        return sampler(logprobs), logprobs[0], log_norm
 
     if not logits_processors:
 
         def step(token):
-            logprobs = logprobs_of(token)
-            return sampler(logprobs), logprobs[0]
+            return sample(model(token[None], cache=cache)[:, -1, :])  # logits (1, V)
 
         return step
 
     history = [prompt[:-1]]  # the context the processors see, without the token being fed
 
     def step_with_processors(token):
-        history.append(token)
-        context = mx.concatenate(history)
+        context = mx.concatenate([*history, token])
         history[:] = [context]
-
-        def process(logits):
-            for processor in logits_processors:
-                logits = processor(context, logits)
-            return logits
-
-        logprobs = logprobs_of(token, process)
-        return sampler(logprobs), logprobs[0]
+        logits = model(token[None], cache=cache)[:, -1, :]
+        for processor in logits_processors:
+            logits = processor(context, logits)
+        return sample(logits)
 
     return step_with_processors
 
@@ -245,7 +248,6 @@ def stream_generate(
         if n == 1:
             generation_start = time.perf_counter()
             prompt_tps = prompt_tokens.size / (generation_start - start)
-        check_finite(logprobs, token)
         finish_reason = None
         if token in eos:
             text, finish_reason = stops.flush() + finalize(detokenizer), "stop"
@@ -271,14 +273,6 @@ def stream_generate(
 def finalize(detokenizer) -> str:
     detokenizer.finalize()
     return detokenizer.last_segment
-
-
-def check_finite(logprobs: mx.array, token: int) -> None:
-    """NaN anywhere in the logits makes every log-probability NaN (through the
-    log-sum-exp), so looking at the chosen token's is enough."""
-    value = logprobs[token].item()
-    if value != value:
-        raise UserError("the model produced NaN logits: its weights are broken or overflow in this dtype")
 
 
 def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
