@@ -59,7 +59,7 @@ def test_prompt_completion_record_sets_the_prompt_length():
     assert tokens[:prompt] == tokenizer.encode("Q: 2+2?") and tokens[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(tokens[prompt:]) == " A: 4"
     batch = pad_batch([(tokens, prompt)])
-    assert batch.lengths.tolist() == [[prompt, len(tokens)]] and (batch.tokens.shape[1] - 1) % 16 == 0
+    assert batch.lengths.tolist() == [[prompt, len(tokens)]] and (batch.tokens.shape[1] - 1) % 8 == 0
 
 
 def test_mask_prompt_lowers_the_counted_tokens_in_lora(stories_hf, tmp_path):

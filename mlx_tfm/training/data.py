@@ -175,7 +175,7 @@ class Batch:
     lengths: np.ndarray  # (B, 2) int32: (prompt_length, length)
 
 
-def pad_batch(examples: list[Example], pad_to: int = 16) -> Batch:
+def pad_batch(examples: list[Example], pad_to: int = 8) -> Batch:
     """Right-pad to the longest example, rounded up to ``pad_to`` positions of input
     (fewer distinct shapes means fewer recompilations of the training step)."""
     longest = max(len(tokens) for tokens, _ in examples)
@@ -191,7 +191,7 @@ class LengthGroupedBatches:
     """Examples sorted by length and cut into batches of similar length; each epoch visits
     the batches in a fresh order drawn from ``(seed, epoch)``. ``batch(step)`` is pure."""
 
-    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0, pad_to: int = 16):
+    def __init__(self, examples: list[Example], batch_size: int, seed: int = 0, pad_to: int = 8):
         if len(examples) < batch_size:
             raise UserError(f"the data set has {len(examples)} examples, fewer than the batch size {batch_size}")
         order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))

@@ -1,0 +1,177 @@
+"""LoRA fine-tuning speed and memory: `mlx-tfm lora` next to `mlx_lm.lora`, same run.
+
+The model is the 135M-class Llama shape (SmolLM-135M: hidden 576, 30 layers, 9 heads,
+3 KV heads, d_ff 1536, vocab 49152, tied embeddings) with random float32 weights, written
+as a Hugging Face folder. Its tokenizer is a byte-level BPE trained here with the
+`tokenizers` library on the wikisql training text with a 49152 target; that small corpus
+yields fewer merges, so the embedding rows past the tokenizer's vocabulary are padding
+(the compute per token is the 135M model's all the same).
+
+Both trainers run as subprocesses on the same folder and data with the same settings
+(batch 4, 16 LoRA layers, rank 8, Adam 1e-5, wikisql), each with the same BLAS: mlx-lm is
+started after `mlx_tfm.blas.route_blas()`, so both use the optimized OpenBLAS on Linux.
+Throughput is taken from the reports after the first (which include compilation); mlx-lm's
+numbers come from its own training callback (mlx-lm counts one more target per sequence
+than there are, about 1.5% on wikisql; left as it reports it).
+
+    python examples/benchmark_lora.py --iters 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKISQL = ROOT.parent / "shared" / "data" / "wikisql"
+SHAPE = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
+REPORT = re.compile(r"Iter (\d+): Train loss [\d.]+, .*?Tokens/sec ([\d.]+).*?Peak mem ([\d.]+) GB")
+
+
+def train_tokenizer(folder: Path, data: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SHAPE["vocab_size"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "model_max_length": 2048,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tokenizer.get_vocab_size()
+
+
+def write_model(folder: Path, seed: int = 0) -> int:
+    """Random weights (normal, std 0.02; norms 1) in Hugging Face names, float32."""
+    import mlx_tfm  # noqa: F401  (BLAS routing before MLX)
+    import mlx.core as mx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(folder, WIKISQL)
+    mx.random.seed(seed)
+    D, F, H, KV = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    head_dim = D // H
+    shapes = {
+        "self_attn.q_proj.weight": (H * head_dim, D),
+        "self_attn.k_proj.weight": (KV * head_dim, D),
+        "self_attn.v_proj.weight": (KV * head_dim, D),
+        "self_attn.o_proj.weight": (D, H * head_dim),
+        "mlp.gate_proj.weight": (F, D),
+        "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F),
+    }
+    weights = {"model.embed_tokens.weight": 0.02 * mx.random.normal((SHAPE["vocab_size"], D)), "model.norm.weight": mx.ones((D,))}
+    for i in range(SHAPE["num_hidden_layers"]):
+        for name, shape in shapes.items():
+            weights[f"model.layers.{i}.{name}"] = 0.02 * mx.random.normal(shape)
+        weights[f"model.layers.{i}.input_layernorm.weight"] = mx.ones((D,))
+        weights[f"model.layers.{i}.post_attention_layernorm.weight"] = mx.ones((D,))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**SHAPE, "bos_token_id": 0, "eos_token_id": 0}, indent=2))
+    return vocab
+
+
+def common_flags(model: Path, iters: int, adapters: Path) -> list[str]:
+    return [
+        "--model", str(model), "--train", "--data", str(WIKISQL), "--batch-size", "4", "--num-layers", "16",
+        "--iters", str(iters), "--learning-rate", "1e-5", "--steps-per-report", "10", "--steps-per-eval", "100000",
+        "--val-batches", "1", "--save-every", "100000", "--adapter-path", str(adapters), "--seed", "0",
+    ]  # fmt: skip
+
+
+# mlx_lm.lora's own display shows no peak memory, so its training() gets a callback that
+# prints mlx-lm's report numbers (tokens/s and peak memory as mlx-lm measures them).
+MLX_LM = """
+import sys
+import mlx_tfm.blas as blas; blas.route_blas()
+from mlx_lm import lora
+from mlx_lm.tuner.callbacks import TrainingCallback
+
+class Report(TrainingCallback):
+    def on_train_loss_report(self, info):
+        print(f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}, "
+              f"Tokens/sec {info['tokens_per_second']:.1f}, Peak mem {info['peak_memory']:.3f} GB", flush=True)
+
+def train(*args, **kwargs):
+    kwargs["training_callback"] = Report()
+    return real_train(*args, **kwargs)
+
+real_train, lora.train = lora.train, train
+sys.argv = ["mlx_lm.lora", *sys.argv[1:]]
+lora.main()
+"""
+
+
+def run(name: str, command: list[str]) -> dict:
+    shown = ["python", "-c", "<mlx_lm.lora with a reporting callback>"] if command[1] == "-c" else ["python", *command[1:]]
+    print(f"$ {' '.join(shown[:3] + command[3:] if command[1] == '-c' else shown)}", flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    reports = [(int(i), float(t), float(m)) for i, t, m in REPORT.findall(result.stdout)]
+    if len(reports) < 2:
+        sys.exit(f"{name}: expected at least two reports, got:\n{result.stdout}")
+    steady = reports[1:]  # the first window includes compilation
+    return {
+        "tokens_per_second": sum(t for _, t, _ in steady) / len(steady),
+        "peak_memory_gb": max(m for _, _, m in reports),
+        "reports": reports,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--work-dir", help="keep the model folder here (default: a temporary folder)")
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-lora-"))
+    model = work / "smol-135m-shape"
+    if not (model / "model.safetensors").is_file():
+        vocab = write_model(model)
+        print(f"wrote {model} (tokenizer vocabulary {vocab}, model vocabulary {SHAPE['vocab_size']})")
+    ours = run("mlx-tfm lora", [sys.executable, "-m", "mlx_tfm", "lora", *common_flags(model, args.iters, work / "ours")])
+    theirs = run("mlx_lm.lora", [sys.executable, "-c", MLX_LM, *common_flags(model, args.iters, work / "theirs")])
+    for name, r in (("mlx-tfm lora", ours), ("mlx_lm.lora", theirs)):
+        print(f"{name}: (iter, tokens/s, peak GB) per report: {r['reports']}")
+    print(f"\n{'':14}{'tokens/s':>10}{'peak memory':>14}")
+    for name, r in (("mlx-tfm lora", ours), ("mlx_lm.lora", theirs)):
+        print(f"{name:14}{r['tokens_per_second']:10.1f}{r['peak_memory_gb']:11.3f} GB")
+    print(
+        f"speed ratio {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x, "
+        f"memory ratio {ours['peak_memory_gb'] / theirs['peak_memory_gb']:.2f}x (mlx-tfm / mlx-lm)"
+    )
+
+
+if __name__ == "__main__":
+    main()
