@@ -100,9 +100,15 @@ class RoPE(nn.Module):
         if self.attention_factor != 1.0:
             # YaRN scales cos and sin; scaling q and k before rotation is the same.
             x = x * self.attention_factor
-        return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=None, scale=self.scale, offset=offset, freqs=self._freqs
-        )
+        # The offset goes in as an array so one compiled graph serves every position.
+        return fused_rope(x, self._freqs, mx.array(offset), self.dims, self.traditional, self.scale)
+
+
+@mx.compile
+def fused_rope(x: mx.array, freqs: mx.array, offset: mx.array, dims: int, traditional: bool, scale: float) -> mx.array:
+    """``mx.fast.rope``, compiled: on MLX's CPU backend that fuses its chain of primitive
+    ops into one kernel (on Metal it is one kernel already)."""
+    return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=scale, offset=offset, freqs=freqs)
 
 
 def make_rope(args) -> RoPE:
