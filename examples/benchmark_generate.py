@@ -12,7 +12,8 @@ Both are timed the same way from outside, on the same token ids: prompt tok/s = 
 tokens / time to the first new token; generation tok/s = (new tokens - 1) / time from the
 first to the last; peak memory = MLX's peak from just after loading to the end (weights
 included), one model in memory at a time. EOS is disabled so every run makes all tokens.
-The runs of the two libraries alternate; the best of ``--repeats`` is reported.
+The runs of the two libraries alternate (who goes first too); the best of ``--repeats`` is
+reported. The machine should be otherwise idle: other jobs move these numbers a lot.
 
 ``import mlx_tfm`` comes first: it routes MLX's CPU BLAS to OpenBLAS (see mlx_tfm/blas.py),
 which mlx-lm, in the same process, then uses too.
@@ -187,10 +188,11 @@ def release_memory() -> None:
 
 def benchmark(folder: Path, prompt: list[int], max_tokens: int, repeats: int) -> dict[str, Measurement]:
     runs: dict[str, list[Measurement]] = {name: [] for name in RUNNERS}
-    for _ in range(repeats):
-        for name, runner in RUNNERS.items():
+    for repeat in range(repeats):
+        order = list(RUNNERS) if repeat % 2 == 0 else list(RUNNERS)[::-1]  # who goes first alternates
+        for name in order:
             release_memory()
-            runs[name].append(runner(folder, prompt, max_tokens))
+            runs[name].append(RUNNERS[name](folder, prompt, max_tokens))
     return {
         name: Measurement(
             max(m.prompt_tps for m in ms), max(m.generation_tps for m in ms), max(m.peak_gb for m in ms),

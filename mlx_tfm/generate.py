@@ -208,6 +208,36 @@ class StopStringFilter:
         return out
 
 
+class TextPieces:
+    """Token ids -> the text pieces to show: streams through the detokenizer, holds back
+    what could start a stop string, and says when generation should stop."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: mx.array, stop_strings: list[str] | None):
+        # SentencePiece drops the space before the first word only at the start of a text.
+        at_start = tokenizer.decode(prompt_tokens[-1:].tolist()) == ""
+        self.detokenizer = tokenizer.make_detokenizer(at_start_of_text=at_start)
+        self.stops = StopStringFilter(stop_strings or [])
+        self.eos = tokenizer.eos_token_ids
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        """(text to show, "stop" or None)."""
+        if token in self.eos:
+            return self.stops.flush() + self._finalize(), "stop"
+        self.detokenizer.add_token(token)
+        text, stopped = self.stops.push(self.detokenizer.last_segment)
+        return text, "stop" if stopped else None
+
+    def finish(self) -> tuple[str, str]:
+        """At the token limit: the rest of the text, and "length" (or "stop" if the held
+        back text completes a stop string after all)."""
+        text, stopped = self.stops.push(self._finalize())
+        return (text, "stop") if stopped else (text + self.stops.flush(), "length")
+
+    def _finalize(self) -> str:
+        self.detokenizer.finalize()
+        return self.detokenizer.last_segment
+
+
 def stream_generate(
     model,
     tokenizer: Tokenizer,
@@ -229,12 +259,8 @@ def stream_generate(
     check_prompt_tokens(prompt_tokens, model.args.vocab_size)
     cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
     room = context_room(model, cache, prompt_tokens.size)
-    if room is not None and room < max_tokens:
-        max_tokens = room
-    last_prompt_text = tokenizer.decode(prompt_tokens[-1:].tolist())
-    detokenizer = tokenizer.make_detokenizer(at_start_of_text=last_prompt_text == "")
-    stops = StopStringFilter(stop_strings or [])
-    eos = tokenizer.eos_token_ids
+    max_tokens = max_tokens if room is None else min(max_tokens, room)
+    pieces = TextPieces(tokenizer, prompt_tokens, stop_strings)
 
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -242,23 +268,14 @@ def stream_generate(
         prompt_tokens, model, max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
         prompt_cache=cache, prefill_step_size=prefill_step_size,
     )
-    prompt_tps, generation_start = 0.0, start
-    n = 0
     for n, (token, logprobs) in enumerate(tokens, start=1):
         if n == 1:
             generation_start = time.perf_counter()
             prompt_tps = prompt_tokens.size / (generation_start - start)
-        finish_reason = None
-        if token in eos:
-            text, finish_reason = stops.flush() + finalize(detokenizer), "stop"
-        else:
-            detokenizer.add_token(token)
-            text, stopped = stops.push(detokenizer.last_segment)
-            finish_reason = "stop" if stopped else None
+        text, finish_reason = pieces.add(token)
         if finish_reason is None and n == max_tokens:
-            tail, stopped = stops.push(finalize(detokenizer))
-            text += tail + ("" if stopped else stops.flush())
-            finish_reason = "stop" if stopped else "length"
+            tail, finish_reason = pieces.finish()
+            text += tail
         elapsed = time.perf_counter() - generation_start
         yield GenerationResponse(
             text=text, token=token, logprobs=logprobs, prompt_tokens=prompt_tokens.size, prompt_tps=prompt_tps,
@@ -268,11 +285,6 @@ def stream_generate(
         if finish_reason is not None:
             tokens.close()
             return
-
-
-def finalize(detokenizer) -> str:
-    detokenizer.finalize()
-    return detokenizer.last_segment
 
 
 def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
