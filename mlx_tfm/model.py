@@ -318,7 +318,11 @@ class Model(nn.Module):
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab_size)."""
-        h = self.model(inputs, mask, cache)
+        return self.head(self.model(inputs, mask, cache))
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final hidden states (B, L, D) -> logits (B, L, vocab_size). Separate so that
+        training can compute the loss over the vocabulary a chunk of positions at a time."""
         if self.args.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:
