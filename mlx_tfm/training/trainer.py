@@ -55,14 +55,43 @@ def target_mask(lengths: mx.array, width: int) -> mx.array:
     return (positions >= lengths[:, 0:1]) & (positions < lengths[:, 1:2])
 
 
+# Above this many logits per chunk, the loss is computed a chunk of positions at a time.
+LOSS_CHUNK_LOGITS = 8 * 1024 * 1024
+
+
 def loss_fn(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
     """Mean next-token cross-entropy over the counted targets, and how many there were."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)  # (B, L, V); the model applies the causal mask itself
     mask = target_mask(lengths, targets.shape[1])
     ntoks = mask.sum()
-    ce = nn.losses.cross_entropy(logits, targets) * mask
-    return ce.astype(mx.float32).sum() / mx.maximum(ntoks, 1), ntoks
+    hidden = model.model(inputs)  # (B, L, D); the model applies the causal mask itself
+    return cross_entropy_sum(model, hidden, targets, mask) / mx.maximum(ntoks, 1), ntoks
+
+
+def _masked_ce_sum(logits: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+    return (nn.losses.cross_entropy(logits, targets) * mask).astype(mx.float32).sum()
+
+
+def cross_entropy_sum(model: nn.Module, hidden: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+    """Summed cross-entropy of the head's logits. A large (B, L, vocab) logits tensor is
+    never held whole: each chunk of positions runs under a checkpoint, so the backward pass
+    recomputes its logits instead of storing them (less peak memory for one extra head
+    matmul). Small problems take the direct path."""
+    B, L, _ = hidden.shape
+    chunk = max(1, LOSS_CHUNK_LOGITS // (B * model.args.vocab_size))
+    if chunk >= L:
+        return _masked_ce_sum(model.head(hidden), targets, mask)
+    head_module = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    total = mx.array(0.0)
+    for start in range(0, L, chunk):
+        # targets and mask enter by closure: a checkpoint input must be differentiable
+        part_targets, part_mask = targets[:, start : start + chunk], mask[:, start : start + chunk]
+
+        def part(h, t=part_targets, m=part_mask):
+            return _masked_ce_sum(model.head(h), t, m)
+
+        total = total + nn.utils.checkpoint(head_module, part)(hidden[:, start : start + chunk])
+    return total
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn) -> float:
