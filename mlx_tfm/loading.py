@@ -67,8 +67,11 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
 
 
 def apply_quantization(model: Model, quantization: dict, weights: dict) -> None:
-    """Swap in quantized layers wherever the checkpoint carries quantized tensors."""
-    nn.quantize(
+    """Swap in quantized layers wherever the checkpoint carries quantized tensors (linear
+    layers as ``mlx_tfm.quantized.QuantizedLinear``, fast on the CPU too)."""
+    from .quantized import quantize_model
+
+    quantize_model(
         model,
         group_size=quantization["group_size"],
         bits=quantization["bits"],

@@ -1,0 +1,48 @@
+"""Quantized checkpoints: the CPU-fast QuantizedLinear equals the quantized kernel, and a
+quantized folder generates through it."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_tfm import load, stream_generate
+from mlx_tfm.quantized import QuantizedLinear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_dense_route_equals_the_quantized_kernel(rows, dtype):
+    mx.random.seed(0)
+    linear = nn.Linear(128, 96, bias=True)
+    linear.update({"weight": linear.weight.astype(dtype), "bias": linear.bias.astype(dtype)})
+    ours = QuantizedLinear.from_linear(linear, group_size=64, bits=4)
+    reference = nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4)
+    x = mx.random.normal((1, rows, 128)).astype(dtype)
+    expected = np.array(reference(x).astype(mx.float32))
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
+    assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
+    assert ours(x).dtype == dtype
+    assert ours.dense_is_faster(x) == (rows >= QuantizedLinear.dense_from_rows or dtype != mx.float32)
+
+
+def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_path):
+    model, tokenizer = load(stories_hf)
+    # 8 bits: close enough to keep the greedy text; down_proj (172 inputs) stays float
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0)
+    folder = tmp_path / "q8"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((stories_hf / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 8}}))
+    (folder / "tokenizer.model").write_bytes((stories_hf / "tokenizer.model").read_bytes())
+    quantized, _ = load(folder)
+    layer = quantized.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(layer.mlp.up_proj, QuantizedLinear)
+    prompt = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
+    assert len(prompt) >= QuantizedLinear.dense_from_rows  # the prompt goes the dense route
+    reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]  # nn.QuantizedLinear
+    assert [r.token for r in stream_generate(quantized, tokenizer, prompt, max_tokens=20)] == reference
