@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .cpu_linear import quantize_model, use_half_linears
 from .errors import UserError
 from .model import Model, ModelArgs
 
@@ -68,8 +69,7 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
 
 def apply_quantization(model: Model, quantization: dict, weights: dict) -> None:
     """Swap in quantized layers wherever the checkpoint carries quantized tensors (linear
-    layers as ``mlx_tfm.quantized.QuantizedLinear``, fast on the CPU too)."""
-    from .quantized import quantize_model
+    layers as ``mlx_tfm.cpu_linear.QuantizedLinear``, fast on the CPU too)."""
 
     quantize_model(
         model,
@@ -131,6 +131,7 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     load_weights_strictly(model, weights)
+    use_half_linears(model)  # float16/bfloat16 layers: float32 products on the CPU
     mx.eval(model.parameters())
     model.eval()
     return model, config

@@ -1,5 +1,5 @@
-"""Quantized checkpoints: the CPU-fast QuantizedLinear equals the quantized kernel, and a
-quantized folder generates through it."""
+"""The CPU-fast linear layers (mlx_tfm/cpu_linear.py) compute what MLX's layers compute, and
+quantized and float16 folders load with them and generate through them."""
 
 import json
 
@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tfm import load, stream_generate
-from mlx_tfm.quantized import QuantizedLinear
+from mlx_tfm.cpu_linear import HalfLinear, QuantizedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -46,3 +46,25 @@ def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_p
     assert len(prompt) >= QuantizedLinear.dense_from_rows  # the prompt goes the dense route
     reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]  # nn.QuantizedLinear
     assert [r.token for r in stream_generate(quantized, tokenizer, prompt, max_tokens=20)] == reference
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_linear_equals_the_half_precision_layer(rows, dtype):
+    mx.random.seed(0)
+    linear = nn.Linear(128, 96, bias=True)
+    linear.update({"weight": linear.weight.astype(dtype), "bias": linear.bias.astype(dtype)})
+    ours = HalfLinear.from_linear(linear)
+    x = mx.random.normal((1, rows, 128)).astype(dtype)
+    expected = np.array(linear(x).astype(mx.float32))
+    assert ours(x).dtype == dtype
+    assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_float16_folder_loads_with_half_linears_and_keeps_the_golden_prefix(stories_hf, tmp_path, golden):
+    model, tokenizer = load(stories_hf, dtype=mx.float16)
+    assert isinstance(model.layers[0].mlp.down_proj, HalfLinear)
+    assert model.layers[0].mlp.down_proj.weight.dtype == mx.float16
+    prompt = [1, *golden["generated_ids"][:30]]  # long enough for the float32 route
+    tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
+    assert tokens == golden["generated_ids"][30:50]  # margins there are far above float16 error

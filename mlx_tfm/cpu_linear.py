@@ -1,0 +1,105 @@
+"""Linear layers that stay fast on MLX's CPU backend.
+
+MLX's CPU matrix products are fast in float32 (BLAS) and slow elsewhere: its
+``quantized_matmul`` suits one position at a time with float32 scales, and float16 /
+bfloat16 matmuls have no BLAS at all. For a chunk of positions (a prompt, a training
+batch), or with half-precision scales (as most quantized checkpoints on the hub have),
+turning the weight into float32 just before the product is far faster. Measured here for
+a 576x1536 layer:
+
+| weight, positions | as stored | float32 just in time |
+|---|---|---|
+| 4-bit, float32 scales, 180 | 200 ms | 7 ms |
+| 4-bit, float16 scales, 180 | 5.5 s | 4 ms |
+| 4-bit, float16 scales, 1 | 27 ms | 1.7 ms |
+| 4-bit, float32 scales, 1 | 1.2 ms | 2.6 ms (decoding keeps the quantized kernel) |
+| float16, 180 | 282 ms | 12.5 ms |
+| float16, 1 | 1.8 ms | 1.7 ms (decoding keeps the float16 product) |
+
+The layers here pick the faster route per call on the CPU and are the plain MLX layers
+elsewhere (Metal). Weights stay as stored in memory: one layer's float32 copy exists only
+while it is used.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    # From this many positions on, the dense route wins even with float32 scales.
+    dense_from_rows = 16
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.dense_is_faster(x):
+            return super().__call__(x)
+        biases = self.get("biases")
+        # Dequantize only once x is ready, so that MLX does not run the dequantizations of
+        # many layers ahead (they depend on nothing else) and hold all their results.
+        packed = mx.depends(self["weight"], x)
+        weight = mx.dequantize(
+            packed, self["scales"].astype(mx.float32), None if biases is None else biases.astype(mx.float32),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        )  # (out, in) float32
+        y = (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+    def dense_is_faster(self, x: mx.array) -> bool:
+        if mx.default_device() != mx.cpu or self.mode != "affine":
+            return False
+        rows = x.size // x.shape[-1]
+        return rows >= self.dense_from_rows or self["scales"].dtype != mx.float32
+
+
+class HalfLinear(nn.Linear):
+    """``nn.Linear`` with float16/bfloat16 weights whose products over many positions
+    run in float32 on the CPU."""
+
+    dense_from_rows = 16
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if mx.default_device() != mx.cpu or rows < self.dense_from_rows:
+            return super().__call__(x)
+        weight = mx.depends(self["weight"], x).astype(mx.float32)  # converted once x is ready
+        y = (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "HalfLinear":
+        output_dims, input_dims = linear.weight.shape
+        layer = cls(input_dims, output_dims, bias="bias" in linear)
+        layer.update(linear.parameters())
+        return layer
+
+
+def use_half_linears(model: nn.Module) -> None:
+    """Swap ``HalfLinear`` in for the linear layers whose weights are float16/bfloat16."""
+
+    def swap(path: str, module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear and module.weight.dtype in (mx.float16, mx.bfloat16):
+            return HalfLinear.from_linear(module)
+        return module
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+
+def quantize_model(model: nn.Module, group_size: int, bits: int, class_predicate: Callable[[str, nn.Module], bool]) -> None:
+    """``nn.quantize``, with ``QuantizedLinear`` for the linear layers."""
+
+    def quantize(path: str, module: nn.Module) -> nn.Module:
+        if not class_predicate(path, module):
+            return module
+        if isinstance(module, nn.Linear):
+            return QuantizedLinear.from_linear(module, group_size, bits)
+        return module.to_quantized(group_size=group_size, bits=bits)
+
+    model.update_modules(tree_map_with_path(quantize, model.leaf_modules(), is_leaf=nn.Module.is_module))
