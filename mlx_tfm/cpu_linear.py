@@ -17,8 +17,8 @@ a 576x1536 layer:
 | float16, 1 | 1.8 ms | 1.7 ms (decoding keeps the float16 product) |
 
 The layers here pick the faster route per call on the CPU and are the plain MLX layers
-elsewhere (Metal). Weights stay as stored in memory: one layer's float32 copy exists only
-while it is used.
+elsewhere (Metal). Weights stay as stored in memory: a float32 copy of an eighth of one
+layer's weight exists only while it is used.
 """
 
 from __future__ import annotations
@@ -30,6 +30,24 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 
+def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx.array], out_dims: int,
+                    blocks: int = 8) -> mx.array:
+    """``x @ W.T`` in float32, with W made float32 by ``float32_rows(start, stop, after)``
+    a block of rows at a time, each conversion starting only after ``after`` (the previous
+    block's product) is computed: else MLX would convert the weights of many layers ahead,
+    since they depend on nothing else, and hold them all. So about one block's float32
+    copy exists at a time."""
+    x32 = x.astype(mx.float32)
+    ready = x32
+    outputs = []
+    step = -(-out_dims // blocks)
+    for start in range(0, out_dims, step):
+        weight = float32_rows(start, min(start + step, out_dims), ready)  # (rows, in)
+        ready = x32 @ weight.T
+        outputs.append(ready.astype(x.dtype))
+    return mx.concatenate(outputs, axis=-1)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     # From this many positions on, the dense route wins even with float32 scales.
     dense_from_rows = 16
@@ -37,18 +55,18 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if not self.dense_is_faster(x):
             return super().__call__(x)
-        biases = self.get("biases")
-        # Dequantize only once x is ready, so that MLX does not run the dequantizations of
-        # many layers ahead (they depend on nothing else) and hold all their results.
-        packed = mx.depends(self["weight"], x)
-        weight = mx.dequantize(
-            packed, self["scales"].astype(mx.float32), None if biases is None else biases.astype(mx.float32),
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
-        )  # (out, in) float32
-        y = (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+        y = float32_product(x, self.float32_rows, self["weight"].shape[0])
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def float32_rows(self, start: int, stop: int, after: mx.array) -> mx.array:
+        biases = self.get("biases")
+        return mx.dequantize(
+            mx.depends(self["weight"][start:stop], after), self["scales"][start:stop].astype(mx.float32),
+            None if biases is None else biases[start:stop].astype(mx.float32),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        )
 
     def dense_is_faster(self, x: mx.array) -> bool:
         if mx.default_device() != mx.cpu or self.mode != "affine":
@@ -67,11 +85,13 @@ class HalfLinear(nn.Linear):
         rows = x.size // x.shape[-1]
         if mx.default_device() != mx.cpu or rows < self.dense_from_rows:
             return super().__call__(x)
-        weight = mx.depends(self["weight"], x).astype(mx.float32)  # converted once x is ready
-        y = (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+        y = float32_product(x, self.float32_rows, self["weight"].shape[0])
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def float32_rows(self, start: int, stop: int, after: mx.array) -> mx.array:
+        return mx.depends(self["weight"][start:stop], after).astype(mx.float32)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "HalfLinear":
