@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 HELP = "Pre-train a small model from scratch (AdamW, warmup + cosine, resumable checkpoints)."
-
-# Flags that fix the trajectory and its record: a resumed run takes them from its checkpoint.
-TRAJECTORY = (
-    "config", "tokenizer", "data", "val_fraction", "iters", "batch_size", "seq_len", "learning_rate",
-    "min_learning_rate", "warmup_steps", "weight_decay", "grad_clip", "grad_accumulation_steps", "seed",
-    "val_batches", "steps_per_eval", "log_grad_norms",
-)  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,6 +26,13 @@ from .reporting import ProgressReporter
 from .schedule import warmup_cosine
 from .trainer import TrainingArgs, TrainingDiverged, train
 
+# Flags that fix the trajectory and its record: a resumed run takes them from its checkpoint.
+TRAJECTORY = (
+    "config", "tokenizer", "data", "val_fraction", "iters", "batch_size", "seq_len", "learning_rate",
+    "min_learning_rate", "warmup_steps", "weight_decay", "grad_clip", "grad_accumulation_steps", "seed",
+    "val_batches", "steps_per_eval", "log_grad_norms",
+)  # fmt: skip
+
 
 def restore_settings(args: argparse.Namespace, checkpoint: Path, names: tuple[str, ...]) -> dict:
     """Put the checkpoint's trajectory settings back into ``args``; return its loop state."""
@@ -47,8 +54,6 @@ def validate_flags(args: argparse.Namespace) -> None:
 
 
 def pretrain(args: argparse.Namespace) -> int:
-    from ..cli.train import TRAJECTORY
-
     output = Path(args.output).expanduser()
     checkpoints = list_checkpoints(output)
     if checkpoints and not args.resume:
