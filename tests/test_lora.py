@@ -186,6 +186,7 @@ def test_yaml_config_float_dora_lowers_the_loss_and_reports_test_perplexity(stor
         "steps_per_report: 12\nsteps_per_eval: 12\nval_batches: 4\ntest_batches: 4\n"
         f"adapter_path: {tmp_path / 'adapters'}\n"
         "lora_parameters:\n  rank: 4\n  scale: 10.0\n  dropout: 0.0\n  keys: [self_attn.q_proj, self_attn.v_proj, mlp.down_proj]\n"
+        "log_grad_norms: true\n"
     )
     assert main(["lora", "-c", str(recipe), "--iters", "24"]) == 0
     out = capsys.readouterr().out
@@ -198,6 +199,7 @@ def test_yaml_config_float_dora_lowers_the_loss_and_reports_test_perplexity(stor
     assert config["fine_tune_type"] == "dora" and config["lora_parameters"]["keys"][2] == "mlp.down_proj"
     weights = mx.load(str(tmp_path / "adapters" / "adapters.safetensors"))
     assert "model.layers.0.mlp.down_proj.m" in weights and len(weights) == 5 * 3 * 3
+    assert (tmp_path / "adapters" / "grad_norms.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_lora_command_errors(stories_hf, tmp_path, capsys):
@@ -209,3 +211,24 @@ def test_lora_command_errors(stories_hf, tmp_path, capsys):
     assert "nothing to do: pass --train and/or --test" in capsys.readouterr().err
     assert main(["lora", "--model", str(stories_hf), "--train", "--data", str(tmp_path / "none")]) == 1
     assert "is not a folder with train/valid/test .jsonl files" in capsys.readouterr().err
+
+
+def test_generate_uses_adapters_from_adapter_path(stories_hf, tmp_path, capsys):
+    """`mlx-tfm generate --adapter-path` runs base + adapters: its greedy text is what the
+    fused model writes, and differs from the base model's."""
+    model = base_model(stories_hf)
+    apply_lora(model, num_layers=-1, rank=4, scale=20.0)
+    randomize_adapters(model, seed=3)
+    save_adapters(tmp_path / "a", model, {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": {"rank": 4, "scale": 20.0}})
+    flags = ["--prompt", "Once upon a time", "--max-tokens", "12", "--temp", "0", "--ignore-chat-template"]
+
+    def generated(*extra):
+        assert main(["generate", *flags, *extra]) == 0
+        return capsys.readouterr().out
+
+    base = generated("--model", str(stories_hf))
+    adapted = generated("--model", str(stories_hf), "--adapter-path", str(tmp_path / "a"))
+    assert main(["fuse", "--model", str(stories_hf), "--adapter-path", str(tmp_path / "a"), "--save-path", str(tmp_path / "f")]) == 0
+    capsys.readouterr()
+    fused = generated("--model", str(tmp_path / "f"))
+    assert adapted != base and fused.split("\n")[0] == adapted.split("\n")[0]
