@@ -345,3 +345,23 @@ def test_byte_tokenizer_round_trips_through_tokenizer_json(tmp_path):
     assert loaded.encode(text) == ByteTokenizer().encode(text)
     assert loaded.decode(ByteTokenizer().encode(text)) == text
     assert loaded.bos_token_id == 256 and loaded.eos_token_id == 257
+
+
+def test_pretraining_on_a_jsonl_folder_with_a_sentencepiece_tokenizer(tmp_path, stories_hf):
+    """A folder corpus (train.jsonl and valid.jsonl) and a tokenizer.model given as a file:
+    the output folder gets that tokenizer and loads with it."""
+    from mlx_tfm.loading import load
+
+    out = tmp_path / "run"
+    code = main([
+        "train", "--data", str(data_path("wikisql")), "--tokenizer", str(stories_hf / "tokenizer.model"),
+        "--output", str(out), "--config", "micro", "--iters", "12", "--batch-size", "4", "--seq-len", "48",
+        "--learning-rate", "3e-3", "--warmup-steps", "2", "--steps-per-eval", "12", "--val-batches", "2",
+        "--save-every", "12",
+    ])  # fmt: skip
+    assert code == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["valid"][-1][1] < log["valid"][0][1] - 1.0
+    assert (out / "tokenizer.model").read_bytes() == (stories_hf / "tokenizer.model").read_bytes()
+    model, tokenizer = load(out)
+    assert model.args.vocab_size == 512 and tokenizer.encode("table") == load(stories_hf)[1].encode("table")

@@ -79,15 +79,19 @@ def _bytes_to_unicode() -> list[str]:
     return chars
 
 
+def tokenizer_folder(spec: str) -> Path:
+    """The folder a tokenizer spec names (a tokenizer file stands for its folder)."""
+    folder = Path(spec).expanduser()
+    return folder.parent if folder.is_file() else folder
+
+
 def load_training_tokenizer(spec: str):
     """``"byte"`` or a folder with tokenizer.model / tokenizer.json."""
     if spec == "byte":
         return ByteTokenizer()
     from ..tokenizer import load_tokenizer
 
-    folder = Path(spec).expanduser()
-    if folder.is_file():
-        folder = folder.parent
+    folder = tokenizer_folder(spec)
     if not folder.is_dir():
         raise UserError(f"tokenizer {spec!r} is neither 'byte' nor a folder with tokenizer.model / tokenizer.json")
     return load_tokenizer(folder)

@@ -20,7 +20,7 @@ import mlx.optimizers as optim
 from ..errors import UserError
 from ..model import Model, count_parameters
 from .checkpoints import list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
-from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer
+from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer, tokenizer_folder
 from .presets import model_args_for
 from .reporting import ProgressReporter
 from .schedule import warmup_cosine
@@ -64,7 +64,7 @@ def pretrain(args: argparse.Namespace) -> int:
     validate_flags(args)
 
     tokenizer = load_training_tokenizer(args.tokenizer)
-    tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else Path(args.tokenizer).expanduser()
+    tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else tokenizer_folder(args.tokenizer)
     model_args = model_args_for(args.config, tokenizer.vocab_size)
     config = model_config(model_args, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
     train_tokens, valid_tokens = load_corpus(args.data, tokenizer, args.val_fraction)
