@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cpu_linear import quantize_model, use_half_linears
+from .cpu_linear import quantize_model, use_cpu_linears
 from .errors import UserError
 from .model import Model, ModelArgs
 
@@ -131,7 +131,7 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     load_weights_strictly(model, weights)
-    use_half_linears(model)  # float16/bfloat16 layers: float32 products on the CPU
+    use_cpu_linears(model)  # the faster matrix products on MLX's CPU backend
     mx.eval(model.parameters())
     model.eval()
     return model, config

@@ -1,5 +1,5 @@
 """The CPU-fast linear layers (mlx_tfm/cpu_linear.py) compute what MLX's layers compute, and
-quantized and float16 folders load with them and generate through them."""
+float32, float16 and quantized folders load with them and generate through them."""
 
 import json
 
@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tfm import load, stream_generate
-from mlx_tfm.cpu_linear import HalfLinear, QuantizedLinear
+from mlx_tfm.cpu_linear import Linear, QuantizedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -49,21 +49,23 @@ def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_p
 
 
 @pytest.mark.parametrize("rows", [1, 40])
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_half_linear_equals_the_half_precision_layer(rows, dtype):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 96), (64, 200)])
+def test_cpu_linear_equals_mlx_linear(rows, dtype, shape):
     mx.random.seed(0)
-    linear = nn.Linear(128, 96, bias=True)
+    linear = nn.Linear(*shape, bias=True)
     linear.update({"weight": linear.weight.astype(dtype), "bias": linear.bias.astype(dtype)})
-    ours = HalfLinear.from_linear(linear)
-    x = mx.random.normal((1, rows, 128)).astype(dtype)
+    ours = Linear.from_linear(linear)
+    x = mx.random.normal((1, rows, shape[0])).astype(dtype)
     expected = np.array(linear(x).astype(mx.float32))
-    assert ours(x).dtype == dtype
-    assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=3e-2, rtol=3e-2)
+    assert ours(x).dtype == dtype and ours(x).shape == linear(x).shape
+    tolerance = 1e-5 if dtype == mx.float32 else 3e-2
+    assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_float16_folder_loads_with_half_linears_and_keeps_the_golden_prefix(stories_hf, tmp_path, golden):
     model, tokenizer = load(stories_hf, dtype=mx.float16)
-    assert isinstance(model.layers[0].mlp.down_proj, HalfLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, Linear)
     assert model.layers[0].mlp.down_proj.weight.dtype == mx.float16
     prompt = [1, *golden["generated_ids"][:30]]  # long enough for the float32 route
     tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
