@@ -12,6 +12,14 @@ from pathlib import Path
 from .errors import UserError
 
 
+def _default_mode(directory: bool) -> int:
+    """The mode a plain open()/mkdir() would give under the current umask (mkstemp and
+    mkdtemp make private 0600/0700 entries, which outputs should not keep)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
 def _explain(error: OSError, target: Path) -> UserError:
     if error.errno == errno.ENOSPC:
         return UserError(f"no space left on the device while writing {target}")
@@ -33,6 +41,7 @@ def atomic_file(target: str | Path):
         raise _explain(e, target) from None
     try:
         yield Path(tmp)
+        os.chmod(tmp, _default_mode(directory=False))
         os.replace(tmp, target)
     except OSError as e:
         raise _explain(e, target) from None
@@ -55,6 +64,7 @@ def atomic_folder(target: str | Path, overwrite: bool = False):
         raise _explain(e, target) from None
     try:
         yield tmp
+        os.chmod(tmp, _default_mode(directory=True))
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
