@@ -22,24 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float32",
-}
+from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+
+CONFIG = {**LLAMA_135M, "bos_token_id": 1, "eos_token_id": 2}
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

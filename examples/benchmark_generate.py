@@ -33,26 +33,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
-LLAMA_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": True,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
+
 BUILD_VERSION = ".built-v2"  # bump when the folders' recipe changes
 
 # MLX's CPU kernels for float16 are slow (a 180-token prompt takes ~40 s on the 135M model):

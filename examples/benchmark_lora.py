@@ -27,24 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+
 ROOT = Path(__file__).resolve().parents[1]
 WIKISQL = ROOT.parent / "shared" / "data" / "wikisql"
-SHAPE = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "hidden_act": "silu",
-    "torch_dtype": "float32",
-}
 REPORT = re.compile(r"Iter (\d+): Train loss [\d.]+, .*?Tokens/sec ([\d.]+).*?Peak mem ([\d.]+) GB")
 
 
@@ -55,7 +41,7 @@ def train_tokenizer(folder: Path, data: Path) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=SHAPE["vocab_size"],
+        vocab_size=LLAMA_135M["vocab_size"],
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -80,7 +66,7 @@ def write_model(folder: Path, seed: int = 0) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(folder, WIKISQL)
     mx.random.seed(seed)
-    D, F, H, KV = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    D, F, H, KV = LLAMA_135M["hidden_size"], LLAMA_135M["intermediate_size"], LLAMA_135M["num_attention_heads"], LLAMA_135M["num_key_value_heads"]
     head_dim = D // H
     shapes = {
         "self_attn.q_proj.weight": (H * head_dim, D),
@@ -91,14 +77,14 @@ def write_model(folder: Path, seed: int = 0) -> int:
         "mlp.up_proj.weight": (F, D),
         "mlp.down_proj.weight": (D, F),
     }
-    weights = {"model.embed_tokens.weight": 0.02 * mx.random.normal((SHAPE["vocab_size"], D)), "model.norm.weight": mx.ones((D,))}
-    for i in range(SHAPE["num_hidden_layers"]):
+    weights = {"model.embed_tokens.weight": 0.02 * mx.random.normal((LLAMA_135M["vocab_size"], D)), "model.norm.weight": mx.ones((D,))}
+    for i in range(LLAMA_135M["num_hidden_layers"]):
         for name, shape in shapes.items():
             weights[f"model.layers.{i}.{name}"] = 0.02 * mx.random.normal(shape)
         weights[f"model.layers.{i}.input_layernorm.weight"] = mx.ones((D,))
         weights[f"model.layers.{i}.post_attention_layernorm.weight"] = mx.ones((D,))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({**SHAPE, "bos_token_id": 0, "eos_token_id": 0}, indent=2))
+    (folder / "config.json").write_text(json.dumps({**LLAMA_135M, "bos_token_id": 0, "eos_token_id": 0}, indent=2))
     return vocab
 
 
@@ -117,6 +103,7 @@ import sys
 import mlx_tfm.blas as blas; blas.route_blas()
 from mlx_lm import lora
 from mlx_lm.tuner.callbacks import TrainingCallback
+
 
 class Report(TrainingCallback):
     def on_train_loss_report(self, info):
@@ -160,7 +147,7 @@ def main() -> None:
     model = work / "smol-135m-shape"
     if not (model / "model.safetensors").is_file():
         vocab = write_model(model)
-        print(f"wrote {model} (tokenizer vocabulary {vocab}, model vocabulary {SHAPE['vocab_size']})")
+        print(f"wrote {model} (tokenizer vocabulary {vocab}, model vocabulary {LLAMA_135M['vocab_size']})")
     ours_runs, theirs_runs = [], []
     for _ in range(args.repeats):  # alternate, so both see the same spells of machine load
         ours_runs.append(run("mlx-tfm lora", [sys.executable, "-m", "mlx_tfm", "lora", *common_flags(model, args.iters, work / "ours")]))
