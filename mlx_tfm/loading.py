@@ -27,10 +27,21 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
     return _download(text)
 
 
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# Older repos ship only PyTorch weights; fetched only when a repo has no safetensors.
+HUB_PYTORCH_PATTERNS = ["*.json", "pytorch_model*.bin", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
 def _download(repo_id: str) -> Path:
+    folder = _snapshot(repo_id, HUB_PATTERNS)
+    if not any(folder.glob("*.safetensors")):
+        folder = _snapshot(repo_id, HUB_PYTORCH_PATTERNS)
+    return folder
+
+
+def _snapshot(repo_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # the hub raises many types: offline, gated, missing repo
