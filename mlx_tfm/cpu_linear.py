@@ -51,6 +51,34 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
     return mx.concatenate(outputs, axis=-1)
 
 
+def decode_product(x: mx.array, weight: mx.array, block_elements: int = 1 << 15) -> mx.array:
+    """``x @ W.T`` for one position and a half-precision W, as float32 ``W @ x`` (BLAS)
+    on a float32 copy of a block of W's rows (``block_elements`` weights, 128 KiB) at a
+    time, each copy made only after the previous block's product (as in
+    ``float32_product``). MLX's CPU half-precision product has no BLAS: for the 135M
+    model's 49152-row tied head it took ~110 ms against ~40-55 ms this way, and ~1.4 ms
+    against ~1.0 ms for a 576 -> 1536 layer; a whole float16 decoding step ~375 ms against
+    ~190-215 ms. The blocks are small because MLX allocates outputs ahead of the CPU
+    thread computing them, so several blocks are alive at once: with 256-row blocks a
+    decoding step peaked 11 MB above the stored model, with 32K-weight blocks 3 MB
+    (below a prompt chunk's peak), for ~10% of the gain."""
+    out_dims, in_dims = weight.shape
+    block_rows = max(1, block_elements // in_dims)
+    x32 = x.reshape(-1, 1).astype(mx.float32)  # (in, 1)
+    ready = x32
+    outputs = []
+    for start in range(0, out_dims, block_rows):
+        rows = mx.depends(weight[start:start + block_rows], ready).astype(mx.float32)  # (rows, in)
+        ready = rows @ x32  # (rows, 1)
+        outputs.append(ready)
+    # (out, 1) -> (..., out)
+    return mx.concatenate(outputs, axis=0).astype(x.dtype).reshape(*x.shape[:-1], out_dims)
+
+
+def is_half(weight: mx.array) -> bool:
+    return weight.dtype in (mx.float16, mx.bfloat16)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     # From this many positions on, the dense route wins even with float32 scales.
     dense_from_rows = 16
@@ -94,8 +122,10 @@ class Linear(nn.Linear):
             return super().__call__(x)
         rows = x.size // x.shape[-1]
         weight = self["weight"]
-        if weight.dtype in (mx.float16, mx.bfloat16) and rows >= self.dense_from_rows:
+        if is_half(weight) and rows >= self.dense_from_rows:
             y = float32_product(x, self.float32_rows, weight.shape[0])
+        elif is_half(weight) and rows == 1:
+            y = decode_product(x, weight)
         elif weight.dtype == mx.float32 and rows == 1 and weight.shape[0] <= 8 * weight.shape[1]:
             y = (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], weight.shape[0])  # (out, 1) -> (..., out)
         else:
@@ -115,11 +145,33 @@ class Linear(nn.Linear):
         return layer
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (a tied output head) decodes one position of
+    half-precision weights through ``decode_product`` on the CPU (~2x faster for the
+    135M model's 49152-row head, the largest product of a decoding step)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if mx.default_device() == mx.cpu and is_half(weight) and x.size == x.shape[-1]:
+            return decode_product(x, weight)
+        return super().as_linear(x)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding) -> "Embedding":
+        layer = cls(*embedding.weight.shape)
+        layer.update(embedding.parameters())
+        return layer
+
+
 def use_cpu_linears(model: nn.Module) -> None:
-    """Swap ``Linear`` in for the model's plain linear layers."""
+    """Swap ``Linear`` and ``Embedding`` in for the model's plain linear and embedding layers."""
 
     def swap(path: str, module: nn.Module) -> nn.Module:
-        return Linear.from_linear(module) if type(module) is nn.Linear else module
+        if type(module) is nn.Linear:
+            return Linear.from_linear(module)
+        if type(module) is nn.Embedding:
+            return Embedding.from_embedding(module)
+        return module
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
 

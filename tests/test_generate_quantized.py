@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tfm import load, stream_generate
-from mlx_tfm.cpu_linear import Linear, QuantizedLinear
+from mlx_tfm.cpu_linear import Embedding, Linear, QuantizedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -50,7 +50,7 @@ def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_p
 
 @pytest.mark.parametrize("rows", [1, 40])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("shape", [(128, 96), (64, 200)])
+@pytest.mark.parametrize("shape", [(128, 96), (64, 200), (64, 600)])  # 600: several decode blocks
 def test_cpu_linear_equals_mlx_linear(rows, dtype, shape):
     mx.random.seed(0)
     linear = nn.Linear(*shape, bias=True)
@@ -63,10 +63,27 @@ def test_cpu_linear_equals_mlx_linear(rows, dtype, shape):
     assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_cpu_embedding_head_equals_mlx_as_linear(rows, dtype):
+    mx.random.seed(0)
+    embedding = nn.Embedding(600, 64)  # 600 rows: several decode blocks, the last one partial
+    embedding.update({"weight": embedding.weight.astype(dtype)})
+    ours = Embedding.from_embedding(embedding)
+    x = mx.random.normal((1, rows, 64)).astype(dtype)
+    expected = np.array(embedding.as_linear(x).astype(mx.float32))
+    assert ours.as_linear(x).dtype == dtype and ours.as_linear(x).shape == (1, rows, 600)
+    tolerance = 1e-5 if dtype == mx.float32 else 3e-2
+    assert np.allclose(np.array(ours.as_linear(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
+    ids = mx.array([[3, 599, 0]])
+    assert mx.array_equal(ours(ids), embedding(ids))
+
+
 def test_float16_folder_loads_with_half_linears_and_keeps_the_golden_prefix(stories_hf, tmp_path, golden):
     model, tokenizer = load(stories_hf, dtype=mx.float16)
     assert isinstance(model.layers[0].mlp.down_proj, Linear)
     assert model.layers[0].mlp.down_proj.weight.dtype == mx.float16
+    assert isinstance(model.model.embed_tokens, Embedding)  # the tied head decodes in float32 blocks
     prompt = [1, *golden["generated_ids"][:30]]  # long enough for the float32 route
     tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
     assert tokens == golden["generated_ids"][30:50]  # margins there are far above float16 error
