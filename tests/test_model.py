@@ -2,10 +2,7 @@
 the seed explanations' worked numbers come out of the modules, and the real stories260K
 model reproduces its golden logits and text."""
 
-import json
-
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
