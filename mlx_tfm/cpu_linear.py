@@ -1,31 +1,38 @@
 """Linear layers that stay fast on MLX's CPU backend.
 
-MLX's CPU matrix products are fast in float32 (BLAS) and slow elsewhere: its
-``quantized_matmul`` suits one position at a time with float32 scales, and float16 /
-bfloat16 matmuls have no BLAS at all. For a chunk of positions (a prompt, a training
-batch), or with half-precision scales (as most quantized checkpoints on the hub have),
-turning the weight into float32 just before the product is far faster. Measured here for
-a 576x1536 layer:
+MLX's CPU matrix products are fast in float32 (BLAS, on every core) and slow elsewhere:
+its ``quantized_matmul`` runs on one core and only with float32 scales, and float16 /
+bfloat16 products have no BLAS and run on one core too. So on the CPU:
 
-| weight, positions | as stored | float32 just in time |
+- a chunk of positions (a prompt, a training batch) multiplies in float32, the weight
+  made float32 just in time a block of rows at a time (``float32_product``);
+- a few positions (decoding) keep the stored weight but split its rows over one CPU
+  stream per core (``rows_in_parallel``): MLX runs each stream on a thread of its own.
+  Quantized scales become float32 just in time.
+
+Measured here (2 cores) for one 576x1536 layer:
+
+| weight, positions | plain MLX | here |
 |---|---|---|
-| 4-bit, float32 scales, 180 | 200 ms | 7 ms |
-| 4-bit, float16 scales, 180 | 5.5 s | 4 ms |
-| 4-bit, float16 scales, 1 | 27 ms | 1.7 ms |
-| 4-bit, float32 scales, 1 | 1.2 ms | 2.6 ms (decoding keeps the quantized kernel) |
-| float16, 180 | 282 ms | 12.5 ms |
-| float16, 1 | 1.8 ms | 1.7 ms (decoding keeps the float16 product) |
+| 4-bit, float32 scales, 180 | 200 ms | 7 ms (float32 just in time) |
+| 4-bit, float16 scales, 180 | 5.5 s | 4 ms (float32 just in time) |
+| 4-bit, float32 scales, 1 | 0.8 ms | ~0.45 ms (2 streams) |
+| 4-bit, float16 scales, 1 | 27 ms | ~0.45 ms (float32 scales, 2 streams) |
+| float16, 180 | 282 ms | 12.5 ms (float32 just in time) |
+| float16, 1 | 1.5-2.8 ms | 0.9 ms (2 streams) |
 
-and for float32 weights and one position (decoding), ``W @ x`` instead of ``x @ W.T``:
-0.07 ms against 0.25 ms for 576 -> 1536 (OpenBLAS's skinny products differ by layout).
+and for float32 weights and one position, ``W @ x`` instead of ``x @ W.T``: 0.07 ms
+against 0.25 ms for 576 -> 1536 (OpenBLAS's skinny products differ by layout).
 
-The layers here pick the faster route per call on the CPU and are the plain MLX layers
-elsewhere (Metal). Weights stay as stored in memory: a float32 copy of an eighth of one
-layer's weight exists only while it is used.
+The layers pick their route per call on the CPU and are the plain MLX layers elsewhere
+(Metal). Weights stay as stored in memory: a float32 copy of an eighth of one layer's
+weight exists only while a chunk uses it; decoding copies nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Callable
 
 import mlx.core as mx
@@ -34,16 +41,19 @@ from mlx.utils import tree_map_with_path
 
 
 def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx.array], out_dims: int,
-                    blocks: int = 8) -> mx.array:
+                    block_bytes: int = 1 << 18) -> mx.array:
     """``x @ W.T`` in float32, with W made float32 by ``float32_rows(start, stop, after)``
-    a block of rows at a time, each conversion starting only after ``after`` (the previous
-    block's product) is computed: else MLX would convert the weights of many layers ahead,
-    since they depend on nothing else, and hold them all. So about one block's float32
-    copy exists at a time."""
+    a block of rows (about ``block_bytes`` of float32) at a time, each conversion starting
+    only after ``after`` (the previous block's product) is computed: else MLX would convert
+    the weights of many layers ahead, since they depend on nothing else, and hold them all.
+    A few blocks are still alive at once (MLX allocates the outputs of the tasks queued
+    ahead of the one computing); so blocks are small: for the 135M float16 model a 31-token
+    prompt peaked 6.5 MB above its weights and cache with eighths of each layer, 2.6 MB with
+    256 KiB, for ~10% more time."""
     x32 = x.astype(mx.float32)
     ready = x32
     outputs = []
-    step = -(-out_dims // blocks)
+    step = max(1, block_bytes // (4 * x.shape[-1]))
     for start in range(0, out_dims, step):
         weight = float32_rows(start, min(start + step, out_dims), ready)  # (rows, in)
         ready = x32 @ weight.T
@@ -51,42 +61,75 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
     return mx.concatenate(outputs, axis=-1)
 
 
-def decode_product(x: mx.array, weight: mx.array, block_elements: int = 1 << 15) -> mx.array:
-    """``x @ W.T`` for one position and a half-precision W, as float32 ``W @ x`` (BLAS)
-    on a float32 copy of a block of W's rows (``block_elements`` weights, 128 KiB) at a
-    time, each copy made only after the previous block's product (as in
-    ``float32_product``). MLX's CPU half-precision product has no BLAS: for the 135M
-    model's 49152-row tied head it took ~110 ms against ~40-55 ms this way, and ~1.4 ms
-    against ~1.0 ms for a 576 -> 1536 layer; a whole float16 decoding step ~375 ms against
-    ~190-215 ms. The blocks are small because MLX allocates outputs ahead of the CPU
-    thread computing them, so several blocks are alive at once: with 256-row blocks a
-    decoding step peaked 11 MB above the stored model, with 32K-weight blocks 3 MB
-    (below a prompt chunk's peak), for ~10% of the gain."""
-    out_dims, in_dims = weight.shape
-    block_rows = max(1, block_elements // in_dims)
-    x32 = x.reshape(-1, 1).astype(mx.float32)  # (in, 1)
-    ready = x32
-    outputs = []
-    for start in range(0, out_dims, block_rows):
-        rows = mx.depends(weight[start:start + block_rows], ready).astype(mx.float32)  # (rows, in)
-        ready = rows @ x32  # (rows, 1)
-        outputs.append(ready)
-    # (out, 1) -> (..., out)
-    return mx.concatenate(outputs, axis=0).astype(x.dtype).reshape(*x.shape[:-1], out_dims)
+@functools.cache
+def extra_cpu_streams() -> tuple[mx.Stream, ...]:
+    """One CPU stream per core beyond the first (at most 3): MLX runs each CPU stream's
+    work on a thread of its own, while one quantized product keeps to one thread."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return tuple(mx.new_stream(mx.cpu) for _ in range(min(cores, 4) - 1))
+
+
+def rows_in_parallel(product_of_rows: Callable[[int, int], mx.array], out_dims: int) -> mx.array:
+    """A layer's outputs computed a slice at a time on every CPU stream at once, then
+    joined: ``product_of_rows(start, stop)`` gives outputs ``start:stop`` (..., stop - start).
+    MLX's CPU quantized and half-precision products run on one core: on two cores a
+    decoding step of the 135M model took ~95 ms this way against ~131 ms in 4-bit."""
+    streams = (mx.default_stream(mx.cpu), *extra_cpu_streams())
+    step = -(-out_dims // len(streams))
+    parts = []
+    for stream, start in zip(streams, range(0, out_dims, step)):
+        with mx.stream(stream):
+            parts.append(product_of_rows(start, min(start + step, out_dims)))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def quantized_rows_product(x: mx.array, layer: nn.Module) -> mx.array:
+    """``x @ W.T`` for a quantized ``layer`` (weight, scales, biases) through MLX's kernel,
+    its rows split over the CPU streams. The kernel is fast only with float32 scales and
+    inputs (27 ms against 0.8 ms for one position through a 576 -> 1536 layer with float16
+    scales), so half-precision scales and inputs become float32 just in time: for each
+    slice that is a 32nd of its weights' count (group size 64), a few microseconds."""
+    weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    x32 = x.astype(mx.float32)
+
+    def product_of_rows(start: int, stop: int) -> mx.array:
+        return mx.quantized_matmul(
+            x32, weight[start:stop], scales[start:stop].astype(mx.float32),
+            None if biases is None else biases[start:stop].astype(mx.float32),
+            transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+        )
+
+    return rows_in_parallel(product_of_rows, weight.shape[0]).astype(x.dtype)
 
 
 def is_half(weight: mx.array) -> bool:
     return weight.dtype in (mx.float16, mx.bfloat16)
 
 
+def half_product(x: mx.array, weight: mx.array, dense_from_rows: int = 16) -> mx.array:
+    """``x @ W.T`` for a float16 / bfloat16 W: in float32 by blocks for a chunk of
+    positions, else as stored with W's rows split over the CPU streams."""
+    out_dims = weight.shape[0]
+    if x.size // x.shape[-1] >= dense_from_rows:
+        return float32_product(x, lambda start, stop, after: mx.depends(weight[start:stop], after).astype(mx.float32), out_dims)
+    return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, out_dims)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` choosing the faster product on the CPU (affine mode): a chunk
+    of positions in float32, by blocks; fewer positions through MLX's kernel, split over
+    the CPU streams, with float32 scales."""
+
     # From this many positions on, the dense route wins even with float32 scales.
     dense_from_rows = 16
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.dense_is_faster(x):
+        if mx.default_device() != mx.cpu or self.mode != "affine":
             return super().__call__(x)
-        y = float32_product(x, self.float32_rows, self["weight"].shape[0])
+        if self.dense_is_faster(x):
+            y = float32_product(x, self.float32_rows, self["weight"].shape[0])
+        else:
+            y = quantized_rows_product(x, self)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -100,32 +143,25 @@ class QuantizedLinear(nn.QuantizedLinear):
         )
 
     def dense_is_faster(self, x: mx.array) -> bool:
-        if mx.default_device() != mx.cpu or self.mode != "affine":
-            return False
-        rows = x.size // x.shape[-1]
-        return rows >= self.dense_from_rows or self["scales"].dtype != mx.float32
+        return x.size // x.shape[-1] >= self.dense_from_rows
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` choosing the faster product on the CPU:
 
-    - float16/bfloat16 weights over many positions (a prompt chunk): in float32, by blocks;
+    - float16/bfloat16 weights: ``half_product``;
     - float32 weights for one position (decoding): ``W @ x`` rather than ``x @ W.T``, which
       OpenBLAS runs up to 3.5x slower for expanding shapes (576 -> 1536: 0.25 ms against
       0.07 ms), except for very wide outputs such as a vocabulary head.
     """
-
-    dense_from_rows = 16
 
     def __call__(self, x: mx.array) -> mx.array:
         if mx.default_device() != mx.cpu:
             return super().__call__(x)
         rows = x.size // x.shape[-1]
         weight = self["weight"]
-        if is_half(weight) and rows >= self.dense_from_rows:
-            y = float32_product(x, self.float32_rows, weight.shape[0])
-        elif is_half(weight) and rows == 1:
-            y = decode_product(x, weight)
+        if is_half(weight):
+            y = half_product(x, weight)
         elif weight.dtype == mx.float32 and rows == 1 and weight.shape[0] <= 8 * weight.shape[1]:
             y = (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], weight.shape[0])  # (out, 1) -> (..., out)
         else:
@@ -133,9 +169,6 @@ class Linear(nn.Linear):
         if "bias" in self:
             y = y + self["bias"]
         return y
-
-    def float32_rows(self, start: int, stop: int, after: mx.array) -> mx.array:
-        return mx.depends(self["weight"][start:stop], after).astype(mx.float32)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Linear":
@@ -146,14 +179,13 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` whose ``as_linear`` (a tied output head) decodes one position of
-    half-precision weights through ``decode_product`` on the CPU (~2x faster for the
-    135M model's 49152-row head, the largest product of a decoding step)."""
+    """``nn.Embedding`` whose ``as_linear`` (a tied output head) multiplies half-precision
+    weights through ``half_product`` on the CPU: for the 135M model's 49152-row head, the
+    largest product of a decoding step, ~34 ms against ~63 ms."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        weight = self["weight"]
-        if mx.default_device() == mx.cpu and is_half(weight) and x.size == x.shape[-1]:
-            return decode_product(x, weight)
+        if mx.default_device() == mx.cpu and is_half(self["weight"]):
+            return half_product(x, self["weight"])
         return super().as_linear(x)
 
     @classmethod
@@ -161,6 +193,16 @@ class Embedding(nn.Embedding):
         layer = cls(*embedding.weight.shape)
         layer.update(embedding.parameters())
         return layer
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output head, 49152 rows for the
+    135M model) splits its rows over the CPU streams."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if mx.default_device() != mx.cpu or self.mode != "affine":
+            return super().as_linear(x)
+        return quantized_rows_product(x, self)
 
 
 def use_cpu_linears(model: nn.Module) -> None:
@@ -184,6 +226,8 @@ def quantize_model(model: nn.Module, group_size: int, bits: int, class_predicate
             return module
         if isinstance(module, nn.Linear):
             return QuantizedLinear.from_linear(module, group_size, bits)
+        if isinstance(module, nn.Embedding):
+            return QuantizedEmbedding.from_embedding(module, group_size, bits)
         return module.to_quantized(group_size=group_size, bits=bits)
 
     model.update_modules(tree_map_with_path(quantize, model.leaf_modules(), is_leaf=nn.Module.is_module))

@@ -10,7 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tfm import load, stream_generate
-from mlx_tfm.cpu_linear import Embedding, Linear, QuantizedLinear
+from mlx_tfm import cpu_linear
+from mlx_tfm.cpu_linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -26,13 +27,47 @@ def test_dense_route_equals_the_quantized_kernel(rows, dtype):
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
     assert ours(x).dtype == dtype
-    assert ours.dense_is_faster(x) == (rows >= QuantizedLinear.dense_from_rows or dtype != mx.float32)
+    assert ours.dense_is_faster(x) == (rows >= QuantizedLinear.dense_from_rows)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3])
+@pytest.mark.parametrize("scales_dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantized_product_split_over_cpu_streams_equals_the_kernel(streams, scales_dtype, monkeypatch):
+    """Every output row comes from exactly one stream's slice, for any number of streams
+    (97 rows do not divide evenly), and half-precision scales give the kernel's answer."""
+    monkeypatch.setattr(cpu_linear, "extra_cpu_streams", lambda: tuple(mx.new_stream(mx.cpu) for _ in range(streams - 1)))
+    mx.random.seed(1)
+    reference = nn.QuantizedLinear.from_linear(nn.Linear(128, 97, bias=True), group_size=64, bits=4)
+    reference.update({"scales": reference.scales.astype(scales_dtype), "biases": reference.biases.astype(scales_dtype)})
+    ours = QuantizedLinear(128, 97, bias=True, group_size=64, bits=4)
+    ours.update(reference.parameters())
+    x = mx.random.normal((1, 1, 128))
+    expected = reference.update({"scales": reference.scales.astype(mx.float32), "biases": reference.biases.astype(mx.float32)})(x)
+    assert np.allclose(np.array(ours(x)), np.array(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scales_dtype", [mx.float32, mx.float16])
+def test_quantized_tied_head_equals_mlx_as_linear(scales_dtype, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "extra_cpu_streams", lambda: (mx.new_stream(mx.cpu),))
+    mx.random.seed(2)
+    embedding = nn.Embedding(301, 64)
+    reference = nn.QuantizedEmbedding.from_embedding(embedding, group_size=32, bits=4)
+    ours = QuantizedEmbedding.from_embedding(embedding, group_size=32, bits=4)
+    assert mx.array_equal(ours.weight, reference.weight)
+    ours.update({"scales": ours.scales.astype(scales_dtype), "biases": ours.biases.astype(scales_dtype)})
+    x = mx.random.normal((1, 1, 64)).astype(scales_dtype)
+    head = ours.as_linear(x)
+    assert head.dtype == scales_dtype and head.shape == (1, 1, 301)
+    tolerance = 1e-5 if scales_dtype == mx.float32 else 2e-2
+    expected = np.array(reference.as_linear(x.astype(mx.float32)))
+    assert np.allclose(np.array(head.astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_path):
     model, tokenizer = load(stories_hf)
     # 8 bits: close enough to keep the greedy text; down_proj (172 inputs) stays float
-    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0)
+    nn.quantize(model, group_size=32, bits=8,
+                class_predicate=lambda _, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 32 == 0)
     folder = tmp_path / "q8"
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -42,6 +77,7 @@ def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_p
     quantized, _ = load(folder)
     layer = quantized.layers[0]
     assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(layer.mlp.up_proj, QuantizedLinear)
+    assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)  # the tied head
     prompt = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
     assert len(prompt) >= QuantizedLinear.dense_from_rows  # the prompt goes the dense route
     reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]  # nn.QuantizedLinear
