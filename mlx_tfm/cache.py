@@ -33,6 +33,14 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.reserved = 0
+
+    def reserve(self, positions: int) -> None:
+        """Say that the coming work caches at most ``positions`` positions in all (a
+        generation knows its prompt and token budget), so that growing stops there rather
+        than at the end of a ``step``: a 48-token generation of the 135M model then holds
+        1.1 MB of keys and values instead of 5.9 MB. Past it, growth goes in steps again."""
+        self.reserved = positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``(B, n_kv_heads, L, head_dim)`` keys/values; return all cached so far."""
@@ -42,6 +50,8 @@ class KVCache:
             B, n_kv_heads, _, k_head_dim = keys.shape
             v_head_dim = values.shape[3]
             n_new = ((length + self.step - 1) // self.step) * self.step
+            if previous + length <= self.reserved:
+                n_new = min(n_new, self.reserved - previous)
             new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
             new_values = mx.zeros((B, n_kv_heads, n_new, v_head_dim), values.dtype)
             if self.keys is None:
@@ -110,6 +120,11 @@ class RotatingKVCache:
         self.values: mx.array | None = None
         self.offset = 0
         self._idx = 0  # the slot the next single token is written to
+        self.reserved = 0
+
+    def reserve(self, positions: int) -> None:
+        """As ``KVCache.reserve``: growing the buffer stops at ``positions`` slots."""
+        self.reserved = positions
 
     # -- the buffer in time order -------------------------------------------------
     def _filled(self) -> int:
@@ -153,6 +168,8 @@ class RotatingKVCache:
         B, n_kv_heads, _, k_head_dim = keys.shape
         current = 0 if self.keys is None else self.keys.shape[2]
         n_new = min(self.step, self.max_size - current)
+        if current < self.reserved:
+            n_new = min(n_new, self.reserved - current)
         new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
         new_values = mx.zeros((B, n_kv_heads, n_new, values.shape[3]), values.dtype)
         if self.keys is None:

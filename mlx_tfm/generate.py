@@ -117,6 +117,9 @@ def generate_step(
     """
     sampler = sampler or greedy
     cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
+    for layer_cache in cache:
+        # the prompt and every token yielded (the last one's forward pass is queued too)
+        layer_cache.reserve(layer_cache.offset + prompt.shape[0] + max_tokens)
     step = make_step(model, cache, sampler, logits_processors, prompt)
 
     prefill(model, prompt[:-1], cache, prefill_step_size)

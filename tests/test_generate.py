@@ -88,6 +88,18 @@ def test_cache_holds_the_prompt_and_every_yielded_token(stories, golden):
     assert second == ids[11:26] and cache[0].offset == 1 + 10 + 1 + 15
 
 
+def test_generation_allocates_only_the_cache_it_can_fill(stories, golden):
+    """The cache is told prompt + max_tokens, so a short generation holds no unused slots
+    (the step is 256); a second turn grows it again and continues exactly."""
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    cache = model.make_cache()
+    assert tokens_of(stream_generate(model, tokenizer, [1], max_tokens=20, prompt_cache=cache)) == ids[:20]
+    assert all(c.keys.shape[2] == c.offset == 1 + 20 for c in cache)
+    assert tokens_of(stream_generate(model, tokenizer, [ids[20]], max_tokens=5, prompt_cache=cache)) == ids[21:26]
+    assert all(c.keys.shape[2] == c.offset == 1 + 20 + 1 + 5 for c in cache)
+
+
 def test_rotating_cache_generates_past_the_context(stories, golden):
     model, tokenizer = stories
     responses = list(stream_generate(model, tokenizer, [1], max_tokens=600, max_kv_size=128))

@@ -8,7 +8,8 @@ import pytest
 
 from mlx_tfm.cache import KVCache, RotatingKVCache, window_mask
 from mlx_tfm.loading import load_model
-from mlx_tfm.model import MLP, Model, ModelArgs, count_parameters, make_norm
+from mlx_tfm import model as model_module
+from mlx_tfm.model import MLP, Model, ModelArgs, attention_by_query_blocks, count_parameters, make_norm
 
 BASE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
 
@@ -93,6 +94,36 @@ def test_full_forward_equals_prefill_plus_cached_decode(variant):
     np.testing.assert_allclose(np.array(stepped), np.array(full), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("L, S", [(11, 11), (5, 16), (1, 9)])
+@pytest.mark.parametrize("mask", ["causal", None, "window"])
+def test_attention_by_query_blocks_equals_the_fused_op(L, S, mask):
+    """Every block of queries sees what the whole chunk's row would: the causal alignment
+    at the end of the keys, a row slice of an array mask, all keys without one. GQA: 6
+    query heads over 2 KV heads; blocks of 4 do not divide L."""
+    mx.random.seed(3)
+    queries, keys, values = mx.random.normal((1, 6, L, 8)), mx.random.normal((1, 2, S, 8)), mx.random.normal((1, 2, S, 8))
+    if mask == "window":
+        mask = window_mask(mx.arange(S - L, S), mx.arange(S), 3)  # (L, S) booleans
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
+    got = attention_by_query_blocks(queries, keys, values, 0.3, mask, block=4)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-style-mqa"])
+def test_query_blocks_in_the_model_change_nothing(variant, monkeypatch):
+    model = build(variant)
+    whole = decode_in_pieces(model, TOKENS, model.make_cache(), pieces=(7, 1, 3))
+    monkeypatch.setattr(model_module, "QUERY_BLOCK", 2)
+    full = model(TOKENS)
+    blocked = decode_in_pieces(model, TOKENS, model.make_cache(), pieces=(7, 1, 3))
+    windowed = decode_in_pieces(model, TOKENS, model.make_cache(max_kv_size=5), pieces=(7, 1, 3))
+    np.testing.assert_allclose(np.array(blocked), np.array(whole), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(full), np.array(whole), atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(model_module, "QUERY_BLOCK", 10**9)
+    windowed_whole = decode_in_pieces(model, TOKENS, model.make_cache(max_kv_size=5), pieces=(7, 1, 3))
+    np.testing.assert_allclose(np.array(windowed), np.array(windowed_whole), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-style-mqa", "qwen3-qk-norm"])
 def test_rotating_cache_equals_plain_cache_under_its_bound(variant):
     model = build(variant)
@@ -138,6 +169,24 @@ def test_kv_cache_grows_in_steps_and_trims():
     assert cache.keys.shape[2] == KVCache.step
     assert cache.offset == 3
     assert cache.trim(2) == 2 and cache.offset == 1
+
+
+@pytest.mark.parametrize("make", [KVCache, lambda: RotatingKVCache(max_size=1000)])
+def test_reserved_cache_grows_only_to_the_reservation_then_in_steps(make):
+    cache, unreserved = make(), make()
+    cache.reserve(10)
+    chunk = mx.random.normal((1, 2, 6, 4))
+    for c in (cache, unreserved):
+        c.update_and_fetch(chunk, chunk)
+    for position in range(6, 11):  # the 11th position is past the reservation
+        kv = mx.full((1, 2, 1, 4), float(position))
+        keys, values = cache.update_and_fetch(kv, kv)
+        expected_keys, _ = unreserved.update_and_fetch(kv, kv)
+        assert mx.array_equal(keys, expected_keys) and mx.array_equal(values, expected_keys)
+        if position < 10:
+            assert cache.keys.shape[2] == 10  # never a slot beyond what was reserved
+    assert cache.keys.shape[2] == 10 + make().step  # past it: steps again
+    assert unreserved.keys.shape[2] >= unreserved.step
 
 
 def test_model_args_from_dict_ignores_unknown_keys_and_derives_defaults():
