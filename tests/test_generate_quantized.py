@@ -123,3 +123,23 @@ def test_float16_folder_loads_with_half_linears_and_keeps_the_golden_prefix(stor
     prompt = [1, *golden["generated_ids"][:30]]  # long enough for the float32 route
     tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
     assert tokens == golden["generated_ids"][30:50]  # margins there are far above float16 error
+
+
+def test_decoding_splits_quantized_and_half_products_over_the_cpu_streams(monkeypatch):
+    """One position through quantized, float16 and wide float32 layers takes the split route;
+    a prompt chunk does not (it goes through float32 BLAS blocks)."""
+    calls = []
+    split = cpu_linear.rows_in_parallel
+    monkeypatch.setattr(cpu_linear, "rows_in_parallel", lambda product, out_dims: calls.append(out_dims) or split(product, out_dims))
+    mx.random.seed(4)
+    quantized = QuantizedLinear.from_linear(nn.Linear(128, 96), group_size=64, bits=4)
+    half = Linear.from_linear(nn.Linear(128, 96))
+    half.set_dtype(mx.float16)
+    head = Embedding.from_embedding(nn.Embedding(2000, 64))  # 2000 > 8 x 64: a wide float32 head
+    quantized(mx.random.normal((1, 1, 128)))
+    half(mx.random.normal((1, 1, 128)).astype(mx.float16))
+    head.as_linear(mx.random.normal((1, 1, 64)))
+    assert calls == [96, 96, 2000]
+    quantized(mx.random.normal((1, 40, 128)))
+    half(mx.random.normal((1, 40, 128)).astype(mx.float16))
+    assert calls == [96, 96, 2000]
