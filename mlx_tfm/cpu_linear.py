@@ -16,8 +16,8 @@ Measured here (2 cores) for one 576x1536 layer:
 |---|---|---|
 | 4-bit, float32 scales, 180 | 200 ms | 7 ms (float32 just in time) |
 | 4-bit, float16 scales, 180 | 5.5 s | 4 ms (float32 just in time) |
-| 4-bit, float32 scales, 1 | 0.8 ms | ~0.45 ms (2 streams) |
-| 4-bit, float16 scales, 1 | 27 ms | ~0.45 ms (float32 scales, 2 streams) |
+| 4-bit, float32 scales, 1 | 0.8 ms | ~0.5 ms (2 streams) |
+| 4-bit, float16 scales, 1 | 27 ms | ~0.5 ms (float32 scales, 2 streams) |
 | float16, 180 | 282 ms | 12.5 ms (float32 just in time) |
 | float16, 1 | 1.5-2.8 ms | 0.9 ms (2 streams) |
 
@@ -25,8 +25,8 @@ and for float32 weights and one position, ``W @ x`` instead of ``x @ W.T``: 0.07
 against 0.25 ms for 576 -> 1536 (OpenBLAS's skinny products differ by layout).
 
 The layers pick their route per call on the CPU and are the plain MLX layers elsewhere
-(Metal). Weights stay as stored in memory: a float32 copy of an eighth of one layer's
-weight exists only while a chunk uses it; decoding copies nothing.
+(Metal). Weights stay as stored in memory: float32 copies of 256 KiB blocks exist only
+while a chunk uses them; decoding copies nothing.
 """
 
 from __future__ import annotations
