@@ -16,7 +16,9 @@ The runs of the two libraries alternate (who goes first too); the best of ``--re
 reported. The machine should be otherwise idle: other jobs move these numbers a lot.
 
 ``import mlx_tfm`` comes first: it routes MLX's CPU BLAS to OpenBLAS (see mlx_tfm/blas.py),
-which mlx-lm, in the same process, then uses too.
+which mlx-lm, in the same process, then uses too. ``--as-installed`` adds mlx-lm in a
+process of its own (``examples/stream_timing.py``), with MLX's bundled CPU BLAS: what an
+mlx-lm user on Linux gets.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
-from dataclasses import dataclass
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
@@ -34,6 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+from stream_timing import Measurement, run_mlx_lm, time_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -123,25 +126,6 @@ def build_models(root: Path) -> dict[str, Path]:
 # -- timing --------------------------------------------------------------------------------
 
 
-@dataclass
-class Measurement:
-    prompt_tps: float
-    generation_tps: float
-    peak_gb: float
-    tokens: int
-
-
-def time_stream(responses, n_prompt: int) -> Measurement:
-    """Time a stream of per-token responses from outside, the same way for both libraries."""
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    stamps = []
-    for _ in responses:
-        stamps.append(time.perf_counter())
-    generation = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return Measurement(n_prompt / (stamps[0] - start), generation, mx.get_peak_memory() / 1e9, len(stamps))
-
-
 def run_mlx_tfm(folder: Path, prompt: list[int], max_tokens: int) -> Measurement:
     from mlx_tfm import load, stream_generate
 
@@ -153,15 +137,11 @@ def run_mlx_tfm(folder: Path, prompt: list[int], max_tokens: int) -> Measurement
     return result
 
 
-def run_mlx_lm(folder: Path, prompt: list[int], max_tokens: int) -> Measurement:
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(str(folder))
-    tokenizer.eos_token_ids = set()
-    list(mlx_lm.stream_generate(model, tokenizer, prompt[:8], max_tokens=4))
-    result = time_stream(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens), len(prompt))
-    del model
-    return result
+def run_mlx_lm_as_installed(folder: Path, prompt: list[int], max_tokens: int) -> Measurement:
+    """mlx-lm in a process of its own, without our BLAS routing: what its users on Linux get."""
+    command = [sys.executable, str(Path(__file__).with_name("stream_timing.py")), str(folder), json.dumps(prompt), str(max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 RUNNERS = {"mlx_tfm": run_mlx_tfm, "mlx-lm": run_mlx_lm}
@@ -172,13 +152,13 @@ def release_memory() -> None:
     mx.clear_cache()
 
 
-def benchmark(folder: Path, prompt: list[int], max_tokens: int, repeats: int) -> dict[str, Measurement]:
-    runs: dict[str, list[Measurement]] = {name: [] for name in RUNNERS}
+def benchmark(folder: Path, prompt: list[int], max_tokens: int, repeats: int, runners: dict) -> dict[str, Measurement]:
+    runs: dict[str, list[Measurement]] = {name: [] for name in runners}
     for repeat in range(repeats):
-        order = list(RUNNERS) if repeat % 2 == 0 else list(RUNNERS)[::-1]  # who goes first alternates
+        order = list(runners) if repeat % 2 == 0 else list(runners)[::-1]  # who goes first alternates
         for name in order:
             release_memory()
-            runs[name].append(RUNNERS[name](folder, prompt, max_tokens))
+            runs[name].append(runners[name](folder, prompt, max_tokens))
     return {
         name: Measurement(
             max(m.prompt_tps for m in ms), max(m.generation_tps for m in ms), max(m.peak_gb for m in ms),
@@ -206,7 +186,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark"), help="where the models are written")
+    parser.add_argument("--as-installed", action="store_true",
+                        help="also time mlx-lm in its own process, with MLX's bundled CPU BLAS (slow for float32)")
     args = parser.parse_args()
+    runners = {**RUNNERS, "mlx-lm*": run_mlx_lm_as_installed} if args.as_installed else RUNNERS
 
     from mlx_tfm.blas import blas_description
 
@@ -219,13 +202,18 @@ def main() -> None:
     for name in args.models.split(","):
         n_prompt, max_tokens = SHORT_RUN.get(name, (args.prompt_tokens, args.max_tokens))
         prompt = prompt_ids(folders[name], n_prompt)
-        results = benchmark(folders[name], prompt, max_tokens, args.repeats)
+        results = benchmark(folders[name], prompt, max_tokens, args.repeats, runners)
         for library, m in results.items():
             print(f"{name:<20} {library:<8} {m.prompt_tps:>12.1f} {m.generation_tps:>10.1f} {m.peak_gb:>8.3f}")
         ours, theirs = results["mlx_tfm"], results["mlx-lm"]
         print(f"{'':<20} {'ratio':<8} {ours.prompt_tps / theirs.prompt_tps:>11.2f}x "
               f"{ours.generation_tps / theirs.generation_tps:>9.2f}x {ours.peak_gb / theirs.peak_gb:>7.2f}x"
               f"   ({n_prompt}-token prompt, {max_tokens} new)", flush=True)
+        if "mlx-lm*" in results:
+            installed = results["mlx-lm*"]
+            print(f"{'':<20} {'ratio*':<8} {ours.prompt_tps / installed.prompt_tps:>11.2f}x "
+                  f"{ours.generation_tps / installed.generation_tps:>9.2f}x {ours.peak_gb / installed.peak_gb:>7.2f}x"
+                  f"   (* mlx-lm as installed, own process)", flush=True)
 
 
 if __name__ == "__main__":
