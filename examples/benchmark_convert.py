@@ -106,7 +106,7 @@ def main() -> None:
                 wall, rss = measure([*command, "--hf-path", str(source), "--mlx-path", str(out), *flags])
                 best_wall, best_rss = min(best_wall, wall), min(best_rss, rss)
             rows.append((target, tool, best_wall, best_rss, folder_size(out)))
-    print(f"\n| target | tool | wall time (s) | peak RSS (MiB) | output (MiB) |\n|---|---|---|---|---|")
+    print("\n| target | tool | wall time (s) | peak RSS (MiB) | output (MiB) |\n|---|---|---|---|---|")
     for target, tool, wall, rss, size in rows:
         print(f"| {target} | {tool} | {wall:.2f} | {rss:.0f} | {size:.0f} |")
     if args.workdir is None:
