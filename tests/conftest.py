@@ -1,19 +1,22 @@
 """Shared fixtures. ``mlx_tfm`` is imported before MLX so the optimized BLAS routing runs
 first, as it does for users."""
 
+import os
 from pathlib import Path
 
 import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
 import pytest
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout, or wherever MLX_TFM_TEST_DATA points (a clone elsewhere).
+DATA = Path(os.environ.get("MLX_TFM_TEST_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 def data_path(*parts: str) -> Path:
-    """A fixture file from ../shared/data; a missing one fails the test loudly."""
+    """A fixture file from the test data folder; a missing one fails the test loudly."""
     path = DATA.joinpath(*parts)
     if not path.exists():
-        pytest.fail(f"test fixture {path} is missing: the tests need ../shared/data beside the checkout")
+        pytest.fail(f"test fixture {path} is missing: the tests need ../shared/data beside the checkout "
+                    "(or MLX_TFM_TEST_DATA set to that folder)")
     return path
 
 
