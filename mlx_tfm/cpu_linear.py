@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Callable
 
 import mlx.core as mx
@@ -61,11 +62,16 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
     return mx.concatenate(outputs, axis=-1)
 
 
+# From this many positions on, a product goes through float32 BLAS (``float32_product``).
+DENSE_FROM_ROWS = 16
+
+
 @functools.cache
 def extra_cpu_streams() -> tuple[mx.Stream, ...]:
     """One CPU stream per core beyond the first (at most 3): MLX runs each CPU stream's
     work on a thread of its own, while one quantized product keeps to one thread."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # On Linux the cores this process may use, which a container can restrict.
+    cores = len(os.sched_getaffinity(0)) if sys.platform == "linux" else os.cpu_count() or 1
     return tuple(mx.new_stream(mx.cpu) for _ in range(min(cores, 4) - 1))
 
 
@@ -106,13 +112,21 @@ def is_half(weight: mx.array) -> bool:
     return weight.dtype in (mx.float16, mx.bfloat16)
 
 
-def half_product(x: mx.array, weight: mx.array, dense_from_rows: int = 16) -> mx.array:
+def split_product(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ W.T`` as stored, W's rows split over the CPU streams."""
+    return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, weight.shape[0])
+
+
+def half_product(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ W.T`` for a float16 / bfloat16 W: in float32 by blocks for a chunk of
     positions, else as stored with W's rows split over the CPU streams."""
-    out_dims = weight.shape[0]
-    if x.size // x.shape[-1] >= dense_from_rows:
-        return float32_product(x, lambda start, stop, after: mx.depends(weight[start:stop], after).astype(mx.float32), out_dims)
-    return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, out_dims)
+    if x.size // x.shape[-1] < DENSE_FROM_ROWS:
+        return split_product(x, weight)
+
+    def float32_rows(start: int, stop: int, after: mx.array) -> mx.array:
+        return mx.depends(weight[start:stop], after).astype(mx.float32)
+
+    return float32_product(x, float32_rows, weight.shape[0])
 
 
 def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
@@ -123,7 +137,7 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     out_dims, in_dims = weight.shape
     if out_dims <= 8 * in_dims:
         return (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], out_dims)  # (out, 1) -> (..., out)
-    return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, out_dims)
+    return split_product(x, weight)
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -131,8 +145,7 @@ class QuantizedLinear(nn.QuantizedLinear):
     of positions in float32, by blocks; fewer positions through MLX's kernel, split over
     the CPU streams, with float32 scales."""
 
-    # From this many positions on, the dense route wins even with float32 scales.
-    dense_from_rows = 16
+    dense_from_rows = DENSE_FROM_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:
         if mx.default_device() != mx.cpu or self.mode != "affine":
@@ -194,10 +207,13 @@ class Embedding(nn.Embedding):
     ``float32_decode_product`` for one position in float32."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if mx.default_device() == mx.cpu and is_half(self["weight"]):
-            return half_product(x, self["weight"])
-        if mx.default_device() == mx.cpu and self["weight"].dtype == mx.float32 and x.size == x.shape[-1]:
-            return float32_decode_product(x, self["weight"])
+        weight = self["weight"]
+        if mx.default_device() != mx.cpu:
+            return super().as_linear(x)
+        if is_half(weight):
+            return half_product(x, weight)
+        if weight.dtype == mx.float32 and x.size == x.shape[-1]:
+            return float32_decode_product(x, weight)
         return super().as_linear(x)
 
     @classmethod

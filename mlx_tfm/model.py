@@ -203,7 +203,9 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
     return mx.concatenate(outputs, axis=2)
 
 
-QUERY_BLOCK = 32  # measured: 135M model, 1024-token prompt: 4.3 s and 32 MB above the weights against 5.1 s and 43 MB unblocked
+# Measured: the 135M model's 1024-token prompt took 4.3 s and peaked 32 MB above the
+# weights this way, against 5.1 s and 43 MB unblocked.
+QUERY_BLOCK = 32
 
 
 class Attention(nn.Module):
