@@ -140,7 +140,10 @@ def run_mlx_tfm(folder: Path, prompt: list[int], max_tokens: int) -> Measurement
 def run_mlx_lm_as_installed(folder: Path, prompt: list[int], max_tokens: int) -> Measurement:
     """mlx-lm in a process of its own, without our BLAS routing: what its users on Linux get."""
     command = [sys.executable, str(Path(__file__).with_name("stream_timing.py")), str(folder), json.dumps(prompt), str(max_tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"error: mlx-lm as installed failed on {folder}: {last}")
     return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
