@@ -48,18 +48,18 @@ def mlx_quantization(config: dict, folder: Path) -> dict | None:
 
 
 def read_folder_weights(folder: Path) -> dict:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return read_safetensors_files(sharded_files(folder, index))
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return read_safetensors_files(files)
-    index = folder / "pytorch_model.bin.index.json"
-    if index.is_file():
-        return read_torch_files(sharded_files(folder, index))
-    files = sorted(folder.glob("pytorch_model*.bin"))
-    if files:
-        return read_torch_files(files)
+    # (shard index, file pattern, reader), safetensors first
+    formats = (
+        ("model.safetensors.index.json", "*.safetensors", read_safetensors_files),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin", read_torch_files),
+    )
+    for index_name, pattern, read in formats:
+        index = folder / index_name
+        if index.is_file():
+            return read(sharded_files(folder, index))
+        files = sorted(folder.glob(pattern))
+        if files:
+            return read(files)
     raise UserError(f"{folder} has no weights (*.safetensors or pytorch_model*.bin)")
 
 
