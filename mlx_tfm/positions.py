@@ -98,10 +98,17 @@ class RoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if self.attention_factor != 1.0:
-            # YaRN scales cos and sin; scaling q and k before rotation is the same.
-            x = x * self.attention_factor
+            x = self._scale_rotated_dims(x)
         # The offset goes in as an array so one compiled graph serves every position.
         return fused_rope(x, self._freqs, mx.array(offset), self.dims, self.traditional, self.scale)
+
+    def _scale_rotated_dims(self, x: mx.array) -> mx.array:
+        """YaRN scales cos and sin, so only the ``dims`` rotated dims of each head; scaling
+        them before the rotation is the same. Partial rotary's other dims pass unscaled."""
+        if self.dims == x.shape[-1]:
+            return x * self.attention_factor
+        rotated, passed = x[..., : self.dims], x[..., self.dims :]
+        return mx.concatenate([rotated * self.attention_factor, passed], axis=-1)
 
 
 @mx.compile
