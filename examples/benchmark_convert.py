@@ -92,7 +92,7 @@ def main() -> None:
         n_params = build_source(source)
         print(f"source: {n_params / 1e6:.1f}M parameters, float32, {folder_size(source):.0f} MiB at {source}")
     tools = {
-        "mlx_tfm": [sys.executable, "-m", "convert"],
+        "mlx_tfm": [sys.executable, "-m", "mlx_tfm.convert"],
         "mlx_lm": [sys.executable, "-m", "mlx_lm", "convert"],
     }
     targets = {"float16": ["--dtype", "float16"], "4-bit g64": ["--dtype", "float16", "-q", "--q-bits", "4", "--q-group-size", "64"]}

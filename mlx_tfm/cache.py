@@ -264,17 +264,16 @@ class RotatingKVCache:
 def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
     """Write a list of layer caches to a .safetensors file (atomically)."""
     import json
-    import os
+
+    from .atomic import atomic_file
 
     arrays = {}
     for i, layer_cache in enumerate(cache):
         for name, array in zip(("keys", "values"), layer_cache.state):
             arrays[f"{i}.{name}"] = array
     info = {"layers": json.dumps([c.meta_state for c in cache]), **(metadata or {})}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=info)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, metadata=info)
 
 
 def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:

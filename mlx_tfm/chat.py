@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import UserError
-from .files import atomic_file
+from .atomic import atomic_file
 
 # -- sampling settings (the /set parameters) --------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .attention import attention
 from .cache import KVCache, RotatingKVCache, window_mask
 from .positions import SinusoidalPositions, make_rope
 
@@ -159,55 +160,6 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) -> mx.array:
-    """Attention with tanh soft-capped scores (Gemma 2), which the fused kernel lacks.
-
-    GQA without repeating KV heads: queries are grouped (B, n_kv_heads, n_rep, L, head_dim)
-    and broadcast against keys (B, n_kv_heads, 1, S, head_dim).
-    """
-    B, n_heads, L, head_dim = queries.shape
-    n_kv_heads, S = keys.shape[1], keys.shape[2]
-    queries = queries.reshape(B, n_kv_heads, n_heads // n_kv_heads, L, head_dim)
-    keys, values = keys[:, :, None], values[:, :, None]
-    scores = (queries * scale) @ keys.swapaxes(-1, -2)  # (B, n_kv_heads, n_rep, L, S)
-    scores = mx.tanh(scores / cap) * cap
-    if isinstance(mask, str):
-        mask = window_mask(mx.arange(S - L, S), mx.arange(S), None)
-    if mask is not None:
-        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ values).reshape(B, n_heads, L, -1)
-
-
-def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: int) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention`` over ``block`` queries at a time.
-
-    The same numbers, less memory where the fused op materialises the scores (MLX's CPU
-    backend): (B, n_heads, block, S) at a time instead of (B, n_heads, L, S), which for a
-    2048-token prompt of the 135M model is 151 MB per layer. Query block [a, b) of a
-    causal chunk sees the keys up to its last position, S - L + b, and is causal at the
-    end of them, as the fused op aligns; an array mask gives its rows a:b.
-    """
-    L, S = queries.shape[2], keys.shape[2]
-    outputs = []
-    for start in range(0, L, block):
-        stop = min(start + block, L)
-        q = queries[:, :, start:stop]  # (B, n_heads, rows, head_dim)
-        if isinstance(mask, str):
-            seen = S - L + stop
-            out = mx.fast.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], scale=scale, mask=mask)
-        else:
-            rows = None if mask is None else mask[..., start:stop, :]
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=rows)
-        outputs.append(out)
-    return mx.concatenate(outputs, axis=2)
-
-
-# Measured: the 135M model's 1024-token prompt took 4.3 s and peaked 32 MB above the
-# weights this way, against 5.1 s and 43 MB unblocked.
-QUERY_BLOCK = 32
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -242,12 +194,7 @@ class Attention(nn.Module):
             queries, keys = self.rope(queries, offset), self.rope(keys, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        if self.softcap:
-            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap)
-        elif mx.default_device() == mx.cpu and queries.shape[2] > QUERY_BLOCK:
-            out = attention_by_query_blocks(queries, keys, values, self.scale, mask, QUERY_BLOCK)
-        else:
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = attention(queries, keys, values, self.scale, mask, self.softcap)
         # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out)

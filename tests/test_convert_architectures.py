@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from fixtures.convert_helpers import TINY_CONFIGS, greedy, hf_greedy, hf_logits, make_hf_model
 
-from convert.architectures import ARCHITECTURES
-from convert.converter import convert
+from mlx_tfm.families import ARCHITECTURES
+from mlx_tfm.convert.converter import convert
 from mlx_tfm.loading import load_model
 
 PROMPT = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 18, 140, 42, 11]  # longer than the sliding windows

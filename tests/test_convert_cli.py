@@ -1,4 +1,4 @@
-"""The command line: ``mlx-tfm convert`` and ``python -m convert`` share flags (mlx-lm's
+"""The command line: ``mlx-tfm convert`` and ``python -m mlx_tfm.convert`` share flags (mlx-lm's
 names) and write a folder that loads; extra files travel with the weights."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mlx_tfm.loading import load_model
 def test_python_m_convert_quantizes(tmp_path, stories_dir, golden):
     out = tmp_path / "q8"
     result = subprocess.run(
-        [sys.executable, "-m", "convert", "--hf-path", str(stories_dir / "stories260K.bin"), "--mlx-path", str(out),
+        [sys.executable, "-m", "mlx_tfm.convert", "--hf-path", str(stories_dir / "stories260K.bin"), "--mlx-path", str(out),
          "-q", "--q-bits", "8", "--q-group-size", "32"],
         capture_output=True, text=True, timeout=120,
     )

@@ -15,6 +15,7 @@ import pytest
 from fixtures.convert_helpers import make_hf_model, stories_llama2c_tensors, write_stories_gguf
 
 from mlx_tfm.cli import main
+from mlx_tfm.errors import UserError
 
 
 def run_cli(capsys, *argv) -> str:
@@ -109,9 +110,23 @@ def test_missing_shard(tmp_path, hf_folder, capsys):
     assert "missing: model-00001-of-00002.safetensors, model-00002-of-00002.safetensors" in err
 
 
-def test_foreign_quantization_refused(tmp_path, hf_folder, capsys):
-    folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "quantization_config": {"quant_method": "gptq", "bits": 4}})
-    assert "quantized with 'gptq'" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+FOREIGN_QUANTIZATION = {
+    "GPTQ": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+    "AWQ": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+}
+
+
+@pytest.mark.parametrize("name", FOREIGN_QUANTIZATION)
+def test_foreign_quantization_refused_by_convert_and_load(name, tmp_path, hf_folder, capsys):
+    """GPTQ and AWQ configs carry "bits" and "group_size" too: they must not be read as
+    MLX's affine quantization, neither by convert nor by load()."""
+    from mlx_tfm import load
+
+    folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "quantization_config": FOREIGN_QUANTIZATION[name]})
+    assert f"quantized with {name}, which mlx-tfm cannot read" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    with pytest.raises(UserError, match=f"quantized with {name}, which mlx-tfm cannot read"):
+        load(folder)
 
 
 def test_pytorch_bin_without_torch(tmp_path, hf_folder, capsys, monkeypatch):
@@ -208,7 +223,7 @@ def test_unwritable_output(tmp_path, hf_folder, capsys):
 
 
 def test_disk_full_leaves_nothing(tmp_path, hf_folder, capsys, monkeypatch):
-    import convert.writer
+    import mlx_tfm.weights as weights_module
 
     calls = []
 
@@ -218,7 +233,7 @@ def test_disk_full_leaves_nothing(tmp_path, hf_folder, capsys, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         path.write_bytes(b"x")
 
-    monkeypatch.setattr(convert.writer, "save_shard", full_disk)
+    monkeypatch.setattr(weights_module, "save_shard", full_disk)
     err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "--max-shard-size", "20KB")
     assert "no space left on the device" in err and len(calls) == 2
     assert_no_output(tmp_path / "out")
@@ -247,7 +262,7 @@ def test_offline_hub_repo_via_python_m_convert(tmp_path):
     """A repo id with no network and no cache: one line naming the repo, exit 1."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     result = subprocess.run(
-        [sys.executable, "-m", "convert", "--hf-path", "someone/tiny-model", "--mlx-path", str(tmp_path / "out")],
+        [sys.executable, "-m", "mlx_tfm.convert", "--hf-path", "someone/tiny-model", "--mlx-path", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         env=env,
@@ -267,7 +282,7 @@ def test_safetensors_file_instead_of_folder(tmp_path, hf_folder, capsys):
 KILLED_MID_WRITE = """
 import sys, time
 import mlx_tfm
-import convert.writer as writer
+import mlx_tfm.weights as writer
 from mlx_tfm.cli import main
 
 write = writer.save_shard

@@ -23,7 +23,7 @@ from fixtures.convert_helpers import (
 )
 
 import mlx_tfm
-from convert.converter import convert
+from mlx_tfm.convert.converter import convert
 from mlx_tfm.loading import load_model
 
 QUIET = dict(log=lambda *_: None)
@@ -123,7 +123,7 @@ def test_unsupported_gguf_pre_tokenizer(tmp_path, bpe, capsys):
 def test_block_mapping_is_exact(kind, magnitude):
     import gguf
 
-    from convert.gguf_file import to_mlx_quantized
+    from mlx_tfm.convert.gguf_file import to_mlx_quantized
 
     qtype = gguf.GGMLQuantizationType[kind]
     w = (np.random.default_rng(0).standard_normal((8, 96)) * magnitude).astype(np.float32)

@@ -21,7 +21,7 @@ from fixtures.convert_helpers import (
 )
 
 import mlx_tfm
-from convert.converter import convert
+from mlx_tfm.convert.converter import convert
 from mlx_tfm.loading import load_model
 
 QUIET = dict(log=lambda *_: None)
@@ -135,7 +135,7 @@ def test_llama2c_versioned_formats(version, tmp_path, stories_dir, stories_tenso
 
 def test_q_k_permutation_round_trip():
     w = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
-    from convert.llama2c import interleaved_to_half_split
+    from mlx_tfm.convert.llama2c import interleaved_to_half_split
 
     np.testing.assert_array_equal(interleaved_to_half_split(half_split_to_interleaved(w, 2), 2), w)
     # per head of 4 rows: adjacent pairs (0,1), (2,3) -> halves (0,2 | 1,3)
@@ -176,7 +176,7 @@ def test_gguf(kind, tmp_path, stories_dir, stories_tensors, sequence, reference_
 
 
 def half_split_to_interleaved_inverse(w: np.ndarray, config: dict) -> np.ndarray:
-    from convert.llama2c import interleaved_to_half_split
+    from mlx_tfm.convert.llama2c import interleaved_to_half_split
 
     return interleaved_to_half_split(w, config["num_attention_heads"])
 

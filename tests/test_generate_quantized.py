@@ -10,8 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tfm import load, stream_generate
-from mlx_tfm import cpu_linear
-from mlx_tfm.cpu_linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+from mlx_tfm.cpu import linear as cpu_linear
+from mlx_tfm.cpu.linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])

@@ -8,63 +8,9 @@ import pytest
 
 from mlx_tfm.cache import KVCache, RotatingKVCache, window_mask
 from mlx_tfm.loading import load_model
-from mlx_tfm import model as model_module
-from mlx_tfm.model import MLP, Model, ModelArgs, attention_by_query_blocks, count_parameters, make_norm
+from mlx_tfm.model import MLP, Model, ModelArgs, count_parameters, make_norm
 
-BASE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
-
-VARIANTS = {
-    # Llama: RMSNorm, pre-norm, SwiGLU, RoPE (half-split), GQA, tied.
-    "llama-gqa": dict(num_key_value_heads=2),
-    # The original Transformer: LayerNorm after each residual, ReLU FFN, sinusoidal, MHA.
-    "post-norm-relu-sinusoidal": dict(
-        norm_type="layernorm", norm_placement="post", hidden_act="relu", ffn_gated=False,
-        position_embedding="sinusoidal", final_norm=False, tie_word_embeddings=False,
-    ),
-    # GPT-2: LayerNorm pre-norm, exact GELU, learned positions, every bias, MQA.
-    "gpt2-style-mqa": dict(
-        norm_type="layernorm", hidden_act="gelu", ffn_gated=False, position_embedding="learned",
-        max_position_embeddings=64, attention_bias=True, attention_out_bias=True, mlp_bias=True,
-        num_key_value_heads=1,
-    ),
-    "gelu-tanh": dict(hidden_act="gelu_tanh", ffn_gated=False),
-    # Gemma 2: GeGLU, (1+w) RMSNorm, embedding scale, sandwich norms, soft-capping,
-    # alternating sliding-window layers.
-    "gemma2-style": dict(
-        hidden_act="gelu_tanh", norm_weight_offset=1.0, embedding_scale=48**0.5, norm_placement="sandwich",
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=3,
-        layer_types=["sliding_attention", "full_attention"], num_key_value_heads=3, attention_scale=0.2,
-    ),
-    # Qwen3: q/k RMSNorm; Qwen2: q/k/v biases.
-    "qwen3-qk-norm": dict(qk_norm=True, num_key_value_heads=2, head_dim=16),
-    "qwen2-qkv-bias": dict(attention_bias=True, num_key_value_heads=3, tie_word_embeddings=False),
-    "rope-interleaved": dict(rope_traditional=True),
-    "rope-linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "rope-llama3": dict(
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
-        rope_theta=500000.0,
-    ),
-    "rope-yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
-    "partial-rotary": dict(partial_rotary_factor=0.5),
-    "no-positions": dict(position_embedding="none"),
-}
-
-
-def build(variant: str, seed: int = 0) -> Model:
-    mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict({**BASE, **VARIANTS[variant]}))
-    # Random norm weights too, so a wrongly placed norm cannot hide behind ones.
-    for layer in model.layers:
-        for name, module in layer.named_modules():
-            if name.endswith("layernorm") or name.endswith("_norm"):
-                module.weight = 1.0 + 0.1 * mx.random.normal(module.weight.shape)
-    mx.eval(model.parameters())
-    return model
-
-
-TOKENS = mx.array([[5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 11]])
-
+from fixtures.variants import BASE, TOKENS, VARIANTS, build, decode_in_pieces
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
@@ -77,51 +23,12 @@ def test_every_variant_runs_forward(variant, dtype):
     assert bool(mx.all(mx.isfinite(logits)))
 
 
-def decode_in_pieces(model, tokens, cache, pieces=(4, 1, 1, 3, 1, 1)):
-    outputs, start = [], 0
-    for size in pieces:
-        outputs.append(model(tokens[:, start : start + size], cache=cache))
-        start += size
-    assert start == tokens.shape[1]
-    return mx.concatenate(outputs, axis=1)
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_full_forward_equals_prefill_plus_cached_decode(variant):
     model = build(variant)
     full = model(TOKENS)
     stepped = decode_in_pieces(model, TOKENS, model.make_cache())
     np.testing.assert_allclose(np.array(stepped), np.array(full), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("L, S", [(11, 11), (5, 16), (1, 9)])
-@pytest.mark.parametrize("mask", ["causal", None, "window"])
-def test_attention_by_query_blocks_equals_the_fused_op(L, S, mask):
-    """Every block of queries sees what the whole chunk's row would: the causal alignment
-    at the end of the keys, a row slice of an array mask, all keys without one. GQA: 6
-    query heads over 2 KV heads; blocks of 4 do not divide L."""
-    mx.random.seed(3)
-    queries, keys, values = mx.random.normal((1, 6, L, 8)), mx.random.normal((1, 2, S, 8)), mx.random.normal((1, 2, S, 8))
-    if mask == "window":
-        mask = window_mask(mx.arange(S - L, S), mx.arange(S), 3)  # (L, S) booleans
-    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
-    got = attention_by_query_blocks(queries, keys, values, 0.3, mask, block=4)
-    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-style-mqa"])
-def test_query_blocks_in_the_model_change_nothing(variant, monkeypatch):
-    model = build(variant)
-    whole = decode_in_pieces(model, TOKENS, model.make_cache(), pieces=(7, 1, 3))
-    monkeypatch.setattr(model_module, "QUERY_BLOCK", 2)
-    full = model(TOKENS)
-    blocked = decode_in_pieces(model, TOKENS, model.make_cache(), pieces=(7, 1, 3))
-    windowed = decode_in_pieces(model, TOKENS, model.make_cache(max_kv_size=5), pieces=(7, 1, 3))
-    np.testing.assert_allclose(np.array(blocked), np.array(whole), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.array(full), np.array(whole), atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(model_module, "QUERY_BLOCK", 10**9)
-    windowed_whole = decode_in_pieces(model, TOKENS, model.make_cache(max_kv_size=5), pieces=(7, 1, 3))
-    np.testing.assert_allclose(np.array(windowed), np.array(windowed_whole), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-style-mqa", "qwen3-qk-norm"])

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from convert.converter import convert
+    from mlx_tfm.convert.converter import convert
 
     convert(
         args.hf_path,

@@ -20,28 +20,17 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..atomic import atomic_file, atomic_folder
 from ..errors import UserError
-from ..files import atomic_file, atomic_folder
+from ..families import model_args_from_config
 from ..model import ModelArgs
-
-TOKENIZER_FILES = (
-    "tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+from ..weights import load_weights_strictly, tokenizer_files_of, write_model_files
 CHECKPOINTS = "checkpoints"
 TRAINER = "trainer"
 
 
 def model_config(args: ModelArgs, bos_token_id: int | None, eos_token_ids: list[int]) -> dict:
     """config.json for ``args``; fails if loading it back would build a different model."""
-    from convert.architectures import model_args_from_config
-
     config = {
         **args.to_dict(),
         "model_type": "llama",
@@ -58,27 +47,14 @@ def model_config(args: ModelArgs, bos_token_id: int | None, eos_token_ids: list[
     return config
 
 
+def tokenizer_files(tokenizer_source) -> dict[str, bytes]:
+    """A folder's tokenizer files, or those of an object with ``files()`` (the byte tokenizer)."""
+    return tokenizer_files_of(tokenizer_source) if isinstance(tokenizer_source, Path) else tokenizer_source.files()
+
+
 def write_model(folder: Path, model: nn.Module, config: dict, tokenizer_source) -> None:
-    """Write config.json, model.safetensors and the tokenizer files into ``folder``.
-
-    ``tokenizer_source`` is a folder to copy tokenizer files from, or an object with
-    ``save(folder)`` (the byte tokenizer).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    if isinstance(tokenizer_source, Path):
-        for name in TOKENIZER_FILES:
-            if (tokenizer_source / name).is_file():
-                shutil.copy2(tokenizer_source / name, folder / name)
-    else:
-        tokenizer_source.save(folder)
-
-
-def save_model(folder: Path, model: nn.Module, config: dict, tokenizer_source, overwrite: bool = True) -> None:
-    with atomic_folder(folder, overwrite=overwrite) as tmp:
-        write_model(tmp, model, config, tokenizer_source)
+    """config.json, model.safetensors and the tokenizer files into ``folder``."""
+    write_model_files(folder, config, dict(tree_flatten(model.parameters())), tokenizer_files(tokenizer_source))
 
 
 def checkpoint_folder(root: Path, step: int) -> Path:
@@ -118,8 +94,6 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def load_checkpoint(folder: Path, model: nn.Module, optimizer: optim.Optimizer) -> dict:
     """Restore model weights and optimizer state in place; return the loop state."""
-    from ..loading import load_weights_strictly
-
     try:
         weights = mx.load(str(folder / "model.safetensors"))
         opt_state = mx.load(str(folder / TRAINER / "optimizer.safetensors"))

@@ -51,32 +51,25 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def save(self, folder: Path) -> None:
+    def files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json, name -> bytes."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+        from ..tokenizer.detokenizer import byte_level_alphabet
+
         # ByteLevel maps each byte to a printable character; id = the byte's value.
-        alphabet = {char: byte for byte, char in enumerate(_bytes_to_unicode())}
+        alphabet = byte_level_alphabet()  # {printable character: byte}
         tokenizer = Tokenizer(models.BPE(vocab=alphabet, merges=[]))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(["<s>", "</s>"])
         tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
-        tokenizer.save(str(folder / "tokenizer.json"))
         config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character map, in byte order (what ByteLevel expects)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for byte in range(256):
-        if byte in printable:
-            chars.append(chr(byte))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
+    def save(self, folder: Path) -> None:
+        for name, data in self.files().items():
+            (Path(folder) / name).write_bytes(data)
 
 
 def tokenizer_folder(spec: str) -> Path:

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
+from ..atomic import remove_stale_temporaries
 from ..errors import UserError
 from .data import LengthGroupedBatches, load_split
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_DEFAULTS, apply_lora, load_adapter_weights, load_adapters, save_adapters
@@ -172,6 +173,8 @@ def run_training(model, tokenizer, config: dict, train_set, valid_set, adapter_p
     if config["resume_adapter_file"]:
         load_adapter_weights(model, Path(config["resume_adapter_file"]))
     print(describe_trainable(model), file=sys.stderr)
+    for stale in remove_stale_temporaries(adapter_path):
+        print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     train_batches = LengthGroupedBatches(train_set, config["batch_size"], config["seed"])
     valid_batches = LengthGroupedBatches(valid_set, config["batch_size"], config["seed"])
     saved_config = saved_adapter_config(config)

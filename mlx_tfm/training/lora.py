@@ -20,8 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..cpu import specialize
 from ..errors import UserError
-from ..files import atomic_file
+from ..atomic import atomic_file
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -170,7 +171,8 @@ def apply_lora(
 
 
 def fuse_adapters(model: nn.Module, dequantize: bool = False) -> None:
-    """Replace every adapter by its fused linear layer, in place."""
+    """Replace every adapter by its fused linear layer, in place, specialized for the
+    device as a loaded model's layers are (``mlx_tfm.cpu.specialize``)."""
     fused = [(name, m.fuse(dequantize)) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if fused:
         model.update_modules(tree_unflatten(fused))
@@ -182,6 +184,7 @@ def fuse_adapters(model: nn.Module, dequantize: bool = False) -> None:
         ]
         if dequantized:
             model.update_modules(tree_unflatten(dequantized))
+    specialize(model)
 
 
 def adapter_config(fine_tune_type: str, num_layers: int, lora_parameters: dict, **extra) -> dict:

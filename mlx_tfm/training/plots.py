@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..files import atomic_file
+from ..atomic import atomic_file
 
 
 def _pyplot():

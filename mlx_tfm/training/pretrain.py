@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
 
+from ..atomic import atomic_files_into, remove_stale_temporaries
 from ..errors import UserError
 from ..model import Model, count_parameters
-from .checkpoints import list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
+from .checkpoints import CHECKPOINTS, list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
 from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer, tokenizer_folder
 from .presets import model_args_for
 from .reporting import ProgressReporter
@@ -55,6 +53,8 @@ def validate_flags(args: argparse.Namespace) -> None:
 
 def pretrain(args: argparse.Namespace) -> int:
     output = Path(args.output).expanduser()
+    for stale in remove_stale_temporaries(output) + remove_stale_temporaries(output / CHECKPOINTS):
+        print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     checkpoints = list_checkpoints(output)
     if checkpoints and not args.resume:
         raise UserError(f"{output} already has checkpoints; pass --resume to continue, or choose another --output")
@@ -133,14 +133,8 @@ def _last_checkpoint_note(output: Path) -> str:
 
 def publish_model(output: Path, model, config: dict, tokenizer_source) -> None:
     """Write the final model into ``output`` beside its checkpoints, file by file atomically."""
-    output.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".final.", dir=output))
-    try:
+    with atomic_files_into(output) as staging:
         write_model(staging, model, config, tokenizer_source)
-        for file in staging.iterdir():
-            os.replace(file, output / file.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def finish(output: Path, history: dict, args: argparse.Namespace) -> None:

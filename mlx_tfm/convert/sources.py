@@ -1,21 +1,21 @@
-"""A checkpoint read from any source, before it is written as an MLX folder."""
+"""A model read from any source format, before it is written as an MLX folder."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_tfm.errors import UserError
+from ..errors import UserError
 
 
 @dataclass
-class Checkpoint:
+class Source:
     """What every reader returns.
 
     config: a Hugging Face config.json dict (with ``model_type``).
     weights: tensor name -> mx.array, in the source's Hugging Face naming.
-    files: extra files to write beside the weights (tokenizer, generation config), name -> bytes.
-    quantization: {"group_size", "bits"} when some weights are MLX-quantized
+    files: tokenizer (and generation) files to write beside the weights, name -> bytes.
+    quantization: {"group_size", "bits", "mode"} when some weights are MLX-quantized
       (``X.weight`` packed uint32 with ``X.scales`` and ``X.biases``), else None.
     """
 
@@ -28,7 +28,7 @@ class Checkpoint:
 GGUF_MAGIC = b"GGUF"
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
+def read_source(path: Path) -> Source:
     """Dispatch on what ``path`` is: a folder (Hugging Face or MLX), or a file told apart by
     its first bytes (GGUF magic; otherwise a llama2.c checkpoint, whose legacy header has
     no magic)."""
@@ -47,14 +47,6 @@ def read_checkpoint(path: Path) -> Checkpoint:
     from .llama2c import read_llama2c
 
     return read_llama2c(path)
-
-
-def needs_conversion(path: Path) -> bool:
-    """True for sources ``load_model`` cannot read as they are: files (llama2.c, GGUF) and
-    folders holding only PyTorch ``.bin`` weights."""
-    if path.is_file():
-        return True
-    return not any(path.glob("*.safetensors")) and any(path.glob("pytorch_model*.bin"))
 
 
 def require(condition: bool, message: str) -> None:

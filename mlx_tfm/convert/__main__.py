@@ -1,4 +1,4 @@
-"""``python -m convert ...`` is ``mlx-tfm convert ...``: the same flags and messages."""
+"""``python -m mlx_tfm.convert ...`` is ``mlx-tfm convert ...``: the same flags and messages."""
 
 import sys
 

@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from mlx_tfm.errors import UserError
-from mlx_tfm.files import atomic_file, atomic_folder
+from mlx_tfm.atomic import atomic_file, atomic_folder
 
 
 def mode(path):

@@ -24,8 +24,8 @@ Measured here (2 cores) for one 576x1536 layer:
 and for float32 weights and one position, ``W @ x`` instead of ``x @ W.T``: 0.07 ms
 against 0.25 ms for 576 -> 1536 (OpenBLAS's skinny products differ by layout).
 
-The layers pick their route per call on the CPU and are the plain MLX layers elsewhere
-(Metal). Weights stay as stored in memory: float32 copies of 256 KiB blocks exist only
+The layers pick their route per call while ``mlx_tfm.cpu.on_cpu()`` holds and are the plain
+MLX layers otherwise (Metal, CUDA, or the switch off). Weights stay as stored in memory: float32 copies of 256 KiB blocks exist only
 while a chunk uses them; decoding copies nothing.
 """
 
@@ -38,7 +38,8 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
+
+from .switch import on_cpu
 
 
 def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx.array], out_dims: int,
@@ -140,6 +141,16 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     return split_product(x, weight)
 
 
+def same_arrays_as(cls, layer: nn.Module) -> nn.Module:
+    """An instance of ``cls`` (a CPU-route subclass of ``type(layer)``) holding ``layer``'s
+    arrays and settings, without quantizing or initialising anything anew."""
+    twin = cls.__new__(cls)
+    twin.__dict__.update(layer.__dict__)  # group_size, bits, mode, training and frozen flags
+    twin._no_grad = set(layer._no_grad)
+    dict.update(twin, layer)  # weight, scales, biases, bias
+    return twin
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` choosing the faster product on the CPU (affine mode): a chunk
     of positions in float32, by blocks; fewer positions through MLX's kernel, split over
@@ -148,7 +159,7 @@ class QuantizedLinear(nn.QuantizedLinear):
     dense_from_rows = DENSE_FROM_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:
-        if mx.default_device() != mx.cpu or self.mode != "affine":
+        if not on_cpu() or self.mode != "affine":
             return super().__call__(x)
         if self.dense_is_faster(x):
             y = float32_product(x, self.float32_rows, self["weight"].shape[0])
@@ -169,6 +180,10 @@ class QuantizedLinear(nn.QuantizedLinear):
     def dense_is_faster(self, x: mx.array) -> bool:
         return x.size // x.shape[-1] >= self.dense_from_rows
 
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedLinear) -> "QuantizedLinear":
+        return same_arrays_as(cls, layer)
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` choosing the faster product on the CPU:
@@ -178,7 +193,7 @@ class Linear(nn.Linear):
     """
 
     def __call__(self, x: mx.array) -> mx.array:
-        if mx.default_device() != mx.cpu:
+        if not on_cpu():
             return super().__call__(x)
         rows = x.size // x.shape[-1]
         weight = self["weight"]
@@ -194,10 +209,7 @@ class Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Linear":
-        output_dims, input_dims = linear.weight.shape
-        layer = cls(input_dims, output_dims, bias="bias" in linear)
-        layer.update(linear.parameters())
-        return layer
+        return same_arrays_as(cls, linear)
 
 
 class Embedding(nn.Embedding):
@@ -208,7 +220,7 @@ class Embedding(nn.Embedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        if mx.default_device() != mx.cpu:
+        if not on_cpu():
             return super().as_linear(x)
         if is_half(weight):
             return half_product(x, weight)
@@ -218,9 +230,7 @@ class Embedding(nn.Embedding):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding) -> "Embedding":
-        layer = cls(*embedding.weight.shape)
-        layer.update(embedding.parameters())
-        return layer
+        return same_arrays_as(cls, embedding)
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -228,34 +238,10 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     135M model) splits its rows over the CPU streams."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if mx.default_device() != mx.cpu or self.mode != "affine":
+        if not on_cpu() or self.mode != "affine":
             return super().as_linear(x)
         return quantized_rows_product(x, self)
 
-
-def use_cpu_linears(model: nn.Module) -> None:
-    """Swap ``Linear`` and ``Embedding`` in for the model's plain linear and embedding layers."""
-
-    def swap(path: str, module: nn.Module) -> nn.Module:
-        if type(module) is nn.Linear:
-            return Linear.from_linear(module)
-        if type(module) is nn.Embedding:
-            return Embedding.from_embedding(module)
-        return module
-
-    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
-
-
-def quantize_model(model: nn.Module, group_size: int, bits: int, class_predicate: Callable[[str, nn.Module], bool]) -> None:
-    """``nn.quantize``, with ``QuantizedLinear`` for the linear layers."""
-
-    def quantize(path: str, module: nn.Module) -> nn.Module:
-        if not class_predicate(path, module):
-            return module
-        if isinstance(module, nn.Linear):
-            return QuantizedLinear.from_linear(module, group_size, bits)
-        if isinstance(module, nn.Embedding):
-            return QuantizedEmbedding.from_embedding(module, group_size, bits)
-        return module.to_quantized(group_size=group_size, bits=bits)
-
-    model.update_modules(tree_map_with_path(quantize, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedEmbedding) -> "QuantizedEmbedding":
+        return same_arrays_as(cls, layer)

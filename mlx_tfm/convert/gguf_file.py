@@ -24,7 +24,7 @@ import numpy as np
 
 from mlx_tfm.errors import UserError
 
-from .checkpoint import Checkpoint
+from .sources import Source
 from .llama2c import interleaved_to_half_split
 
 # GGUF tensor names -> Hugging Face Llama / Qwen2 names.
@@ -334,7 +334,7 @@ def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
     raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2)")
 
 
-def read_gguf(path: Path) -> Checkpoint:
+def read_gguf(path: Path) -> Source:
     reader = open_reader(path)
     meta = metadata(reader)
     arch = meta.get("general.architecture")
@@ -349,4 +349,4 @@ def read_gguf(path: Path) -> Checkpoint:
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"
-    return Checkpoint(config=config, weights=weights, files=files, quantization=quantization)
+    return Source(config=config, weights=weights, files=files, quantization=quantization)

@@ -9,42 +9,37 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mlx_tfm.errors import UserError
-from mlx_tfm.loading import apply_quantization, load_weights_strictly, resolve_model_path
-from mlx_tfm.model import Model, ModelArgs
-
-from .architectures import MLX_LM_CONFIG_ALIASES, map_weights, model_args_from_config, on_disk_layout
-from .checkpoint import Checkpoint, read_checkpoint
-from .writer import (
+from ..atomic import remove_stale_temporaries
+from ..errors import UserError
+from ..families import MLX_LM_CONFIG_ALIASES, on_disk_layout
+from ..hub import resolve_model_path
+from ..model import ModelArgs
+from ..weights import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
+    build_model,
     cast_weights,
     dequantize_weights,
     dtype_name,
     quantize_weights,
-    write_folder,
+    save_model_folder,
 )
+from .sources import Source, read_source
 
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 
 
-def check_checkpoint(checkpoint: Checkpoint) -> tuple[ModelArgs, dict]:
+def check_source(source: Source, origin: Path) -> tuple[ModelArgs, dict]:
     """Build the model the config describes and load the weights into it strictly, so a
     missing, unexpected or mis-shaped tensor is reported by name before anything is
     written. Returns the args and the weights in the on-disk layout."""
-    config = checkpoint.config
-    try:
-        args = model_args_from_config(config)
-        model = Model(args)  # its random init stays lazy: never computed
-    except (TypeError, ValueError, KeyError) as e:
-        raise UserError(f"config.json does not describe a model we can build: {e}") from None
-    weights = on_disk_layout(config, checkpoint.weights)
-    mapped = map_weights(config, args, weights)
-    if checkpoint.quantization:
-        apply_quantization(model, checkpoint.quantization, mapped)
-    load_weights_strictly(model, mapped)
-    return args, weights
+    weights = on_disk_layout(source.config, source.weights)
+    config = source.config
+    if source.quantization and not (config.get("quantization") or config.get("quantization_config")):
+        config = {**config, "quantization": source.quantization}  # GGUF blocks carried over as MLX groups
+    model = build_model(config, weights, origin)  # lazy: its random init is never computed
+    return model.args, weights
 
 
 def output_dtype(requested: str | None, config: dict) -> str | None:
@@ -134,22 +129,24 @@ def convert(
     if target.exists() and not overwrite:
         raise UserError(f"{target} already exists (pass --overwrite to replace it)")
     max_bytes = parse_size(max_shard_size)
-    source = resolve_model_path(hf_path)
-    checkpoint = read_checkpoint(source)
-    args, weights = check_checkpoint(checkpoint)
-    checkpoint.weights = {}  # the lazy outputs below keep what they need; the rest can go
-    log(f"read {source}: {args.model_type}, {args.num_hidden_layers} layers, {len(weights)} tensors")
+    origin = resolve_model_path(hf_path)
+    source = read_source(origin)
+    args, weights = check_source(source, origin)
+    source.weights = {}  # the lazy outputs below keep what they need; the rest can go
+    log(f"read {origin}: {args.model_type}, {args.num_hidden_layers} layers, {len(weights)} tensors")
     weights, quantization = prepare_weights(
         weights,
-        checkpoint.quantization,
-        dtype=output_dtype(dtype, checkpoint.config),
+        source.quantization,
+        dtype=output_dtype(dtype, source.config),
         quantize=quantize,
         q_bits=q_bits,
         q_group_size=q_group_size,
         dequantize=dequantize,
     )
-    config = output_config(checkpoint.config, quantization, dtype_name(weights))
-    names = write_folder(target, config, weights, checkpoint.files, max_bytes, overwrite)
+    config = output_config(source.config, quantization, dtype_name(weights))
+    for stale in remove_stale_temporaries(target.parent, target.name):
+        log(f"removed {stale}, left by an interrupted run")
+    names = save_model_folder(target, config, weights, source.files, max_bytes, overwrite)
     log(f"wrote {target} ({describe(weights, quantization, config['torch_dtype'])}, {len(names)} weight file(s))")
     return target
 

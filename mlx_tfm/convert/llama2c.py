@@ -19,7 +19,7 @@ import numpy as np
 
 from mlx_tfm.errors import UserError
 
-from .checkpoint import Checkpoint
+from .sources import Source
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 VERSIONED_HEADER_BYTES = 256
@@ -192,7 +192,7 @@ def tokenizer_files(tokenizer_path: Path, h: Header) -> tuple[dict[str, bytes], 
     return files, sp.bos_id(), sp.eos_id()
 
 
-def read_llama2c(path: Path) -> Checkpoint:
+def read_llama2c(path: Path) -> Source:
     data = path.read_bytes()
     h = read_header(data, path)
     plan = tensor_plan(h)
@@ -213,4 +213,4 @@ def read_llama2c(path: Path) -> Checkpoint:
         tensors[q] = interleaved_to_half_split(tensors[q], h.n_heads)
         tensors[k] = interleaved_to_half_split(tensors[k], h.n_kv_heads)
     weights = {name: mx.array(np.ascontiguousarray(t, dtype=np.float32)) for name, t in tensors.items()}
-    return Checkpoint(config=hf_config(h, bos_id, eos_id), weights=weights, files=files)
+    return Source(config=hf_config(h, bos_id, eos_id), weights=weights, files=files)

@@ -1,0 +1,59 @@
+"""Hugging Face folders: safetensors (single or sharded), PyTorch ``.bin`` (read without
+running pickled code), and MLX folders written by mlx-lm (quantized ones included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import UserError
+from ..weights import first_line, has_safetensors, quantization_of, read_config, read_safetensors, sharded_files, \
+    tokenizer_files_of
+from .sources import Source
+
+TORCH_INDEX = "pytorch_model.bin.index.json"
+
+
+def read_hf_folder(folder: Path) -> Source:
+    config = read_config(folder)
+    quantization = quantization_of(config, folder)
+    weights = read_safetensors(folder) if has_safetensors(folder) else read_torch_folder(folder)
+    return Source(config=config, weights=weights, files=tokenizer_files_of(folder), quantization=quantization)
+
+
+def read_torch_folder(folder: Path) -> dict:
+    """The weights of a folder holding only PyTorch ``pytorch_model*.bin`` files."""
+    index = folder / TORCH_INDEX
+    files = sharded_files(folder, index) if index.is_file() else sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise UserError(f"{folder} has no weights (*.safetensors or pytorch_model*.bin)")
+    return read_torch_files(files)
+
+
+def read_torch_files(files: list[Path]) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise UserError(
+            "reading PyTorch .bin checkpoints needs torch: pip install torch "
+            "(or convert the checkpoint to safetensors first)"
+        ) from None
+    weights = {}
+    for file in files:
+        try:
+            # weights_only: tensors and plain containers only, never pickled code.
+            state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise UserError(f"{file} is not a readable PyTorch checkpoint ({first_line(e)})") from None
+        for name, tensor in state.items():
+            weights[name] = torch_to_mx(tensor)
+    return weights
+
+
+def torch_to_mx(tensor) -> mx.array:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+        return mx.array(tensor.float().numpy()).astype(mx.bfloat16)
+    return mx.array(tensor.numpy())
