@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 
-HELP = "Show the MLX version, default device, memory and which BLAS MLX uses."
+HELP = "Show the MLX version, default device, memory, which BLAS MLX uses and whether the CPU kernels run."
 
 
 def add_arguments(parser) -> None:
@@ -52,7 +52,19 @@ def collect() -> dict[str, str]:
     if memory:
         info["memory"] = f"{memory / 2**30:.1f} GiB"
     info["blas"] = blas_description()
+    info["cpu kernels"] = kernels_description(mx.default_device())
     return info
+
+
+def kernels_description(device) -> str:
+    """Whether mlx_tfm's C++ CPU kernels run, and why not (they never do on Metal or CUDA)."""
+    import mlx.core as mx
+
+    from ..cpu.kernels import status
+
+    if device != mx.cpu:
+        return f"not used on {device} (CPU only); on the CPU: {status()}"
+    return status()
 
 
 def run(args) -> int:

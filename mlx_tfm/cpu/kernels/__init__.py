@@ -1,0 +1,56 @@
+"""mlx_tfm's own CPU kernels: an optional C++ extension of MLX (``_kernels``, built by
+``pip install -e .`` where a C++ compiler, CMake, nanobind 3 and the mlx wheel's headers are
+at hand; sources and CMakeLists.txt beside this file).
+
+The products of a few positions (decoding) that MLX's CPU backend runs slowly or on one
+core: ``matvec`` (float32 / float16 / bfloat16 weights), ``quantized_matvec`` (MLX's affine
+4- and 8-bit layout, group 32/64/128, float32 or half-precision scales) and
+``quantized_rows`` (a quantized embedding lookup). Each is a lazy MLX operation (a
+``Primitive`` with ``eval_cpu``) that splits the weight's rows over a pool of one thread per
+core and uses the widest SIMD the CPU has (AVX-512, AVX2, else portable loops the compiler
+vectorizes, NEON on arm64), chosen at run time.
+
+``kernels()`` is the module, or None when it is switched off (``MLX_TFM_KERNELS=0``), was
+not built, fails to import, or was built against another mlx than the one installed (its
+primitives would not match libmlx); ``status()`` says which and why (``mlx-tfm info``).
+Whoever calls them falls back to the pure MLX routes then, and on Metal or CUDA always.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import mlx.core as mx
+
+ENV_VAR = "MLX_TFM_KERNELS"
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """The extension and a one-line account of it."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return None, f"off ({ENV_VAR}=0): pure MLX routes"
+    try:
+        from . import _kernels
+    except ImportError as error:  # not built, or libmlx changed under it
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return None, f"not in use ({first_line}): pure MLX routes; `pip install -e .` with a C++ compiler and CMake builds them"
+    if _kernels.built_with_mlx != mx.__version__:
+        return None, (f"not in use: built against mlx {_kernels.built_with_mlx}, mlx {mx.__version__} is installed: "
+                      "pure MLX routes; `pip install -e .` rebuilds them")
+    return _kernels, f"in use ({_kernels.isa()}, {_kernels.threads()} threads)"
+
+
+def kernels() -> ModuleType | None:
+    """The kernels module, or None where the pure MLX routes must run (see ``status``)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """Whether the kernels are in use, and why not when they are not."""
+    return _load()[1]
+
+
+__all__ = ["kernels", "status", "ENV_VAR"]

@@ -1,0 +1,33 @@
+// The Python module mlx_tfm.cpu.kernels._kernels (nanobind, in MLX's nanobind domain so
+// that mx.array passes through as MLX's own bindings define it).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/version.h"
+
+#include "kernels.h"
+#include "pool.h"
+#include "primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace k = mlx_tfm_kernels;
+
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "mlx_tfm's CPU kernels as MLX operations (see mlx_tfm/cpu/kernels/__init__.py).";
+  m.def("matvec", &k::matvec, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x (..., k) @ w.T for a float32/float16/bfloat16 w (n, k).");
+  m.def("quantized_matvec", &k::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "x (..., k) @ dequantize(w).T for MLX's affine 4/8-bit layout.");
+  m.def("quantized_rows", &k::quantized_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "Rows ids of the dequantized w (a quantized embedding lookup).");
+  m.def("isa", [] { return std::string(k::best_kernels().name); }, "The instruction set in use.");
+  m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
+  m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
+}

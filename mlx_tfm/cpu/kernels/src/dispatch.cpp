@@ -1,0 +1,43 @@
+// Picks the instruction set at run time from what the CPU reports.
+#include <cstdlib>
+#include <string>
+
+#include "kernels.h"
+
+namespace mlx_tfm_kernels {
+
+namespace {
+
+const Kernels& detect() {
+  const char* cap = std::getenv("MLX_TFM_KERNELS_ISA");
+  const std::string limit = cap ? cap : "";
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx512 && limit.empty()) return avx512::kernels();
+  if (avx2 && limit != "generic") return avx2::kernels();
+#endif
+  return generic::kernels();
+}
+
+}  // namespace
+
+const Kernels& best_kernels() {
+  static const Kernels& chosen = detect();
+  return chosen;
+}
+
+void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes) {
+  const int64_t block = 2 * lanes;
+  for (int64_t start = 0; start < k; start += block) {
+    for (int i = 0; i < lanes; ++i) {
+      out[start + i] = x[start + 2 * i];
+      out[start + lanes + i] = x[start + 2 * i + 1];
+    }
+  }
+}
+
+}  // namespace mlx_tfm_kernels

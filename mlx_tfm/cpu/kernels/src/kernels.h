@@ -1,0 +1,60 @@
+// The products the kernels compute, described as plain pointers and sizes, and the entry
+// points each instruction set provides (kernels_impl.h, compiled once per set).
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_tfm_kernels {
+
+enum class Real { F32, F16, BF16 };
+
+// y (m, n) = x (m, k) @ w.T for a row-contiguous w (n, k) of type w_type. x is float32,
+// row-contiguous; y float32.
+struct FloatProduct {
+  const void* w;
+  Real w_type;
+  int64_t n, k;
+  const float* x;
+  int64_t m;
+  float* y;
+};
+
+// The same for MLX's affine quantization: w (n, k * bits / 8) bytes, value j of a row in
+// bits j*bits.. of its little-endian words; scales and biases (n, k / group_size) of type
+// scale_type: w_value = scale * q + bias. x_permuted holds x (m, k) with each block of
+// 2 * LANES positions reordered as the kernel reads 4-bit rows (even positions, then odd;
+// see permute_for_nibbles); for 8 bits it is x as is. x_group_sums (m, k / group_size)
+// holds the sum of x over each group (what the biases multiply).
+struct QuantizedProduct {
+  const uint8_t* w;
+  int bits, group_size;
+  int64_t n, k;
+  const void* scales;
+  const void* biases;
+  Real scale_type;
+  const float* x_permuted;
+  const float* x_group_sums;
+  int64_t m;
+  float* y;
+};
+
+// One instruction set's kernels: each computes the outputs of rows [n0, n1) of w.
+struct Kernels {
+  const char* name;
+  int lanes;
+  void (*float_rows)(const FloatProduct&, int64_t n0, int64_t n1);
+  void (*quantized_rows)(const QuantizedProduct&, int64_t n0, int64_t n1);
+};
+
+namespace avx512 { const Kernels& kernels(); }
+namespace avx2 { const Kernels& kernels(); }
+namespace generic { const Kernels& kernels(); }
+
+// The best set this CPU runs (MLX_TFM_KERNELS_ISA=avx2|generic caps it, for tests).
+const Kernels& best_kernels();
+
+// x (k,) reordered for 4-bit rows read LANES bytes at a time: in each block of 2 * lanes
+// positions, the even ones first, then the odd ones.
+void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes);
+
+}  // namespace mlx_tfm_kernels

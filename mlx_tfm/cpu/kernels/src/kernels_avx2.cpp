@@ -1,0 +1,7 @@
+// The kernels for avx2 (compiler flags in CMakeLists.txt); x86-64 only.
+#if defined(__x86_64__)
+#define MLX_TFM_ISA_AVX2
+#define ISA_NAMESPACE avx2
+#define ISA_LABEL "avx2"
+#include "kernels_impl.h"
+#endif

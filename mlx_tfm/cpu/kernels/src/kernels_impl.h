@@ -1,0 +1,177 @@
+// The kernels, written once over simd.h's vector type. Included by kernels_<isa>.cpp inside
+// namespace mlx_tfm_kernels::<isa>, compiled with that set's flags.
+#pragma once
+
+#include <algorithm>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace mlx_tfm_kernels::ISA_NAMESPACE {
+
+using namespace simd;
+
+template <Real R>
+inline F load_real(const void* base, int64_t i) {
+  if constexpr (R == Real::F32) return load(static_cast<const float*>(base) + i);
+  if constexpr (R == Real::F16) return load_f16(static_cast<const uint16_t*>(base) + i);
+  if constexpr (R == Real::BF16) return load_bf16(static_cast<const uint16_t*>(base) + i);
+}
+
+template <Real R>
+inline float scalar_real(const void* base, int64_t i) {
+  if constexpr (R == Real::F32) return static_cast<const float*>(base)[i];
+  if constexpr (R == Real::F16) return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  if constexpr (R == Real::BF16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+}
+
+// M positions at once, so each weight is read once for all of them; U independent
+// accumulators per position hide the latency of the multiply-adds.
+template <Real R, int M>
+void float_rows_m(const FloatProduct& p, const float* x, float* y, int64_t n0, int64_t n1) {
+  constexpr int U = M == 1 ? 4 : (M <= 4 ? 2 : 1);
+  const int64_t k = p.k;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = n * k;
+    F acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = zero();
+    int64_t j = 0;
+    for (; j + U * LANES <= k; j += U * LANES) {
+      for (int u = 0; u < U; ++u) {
+        F w = load_real<R>(p.w, row + j + u * LANES);
+        for (int m = 0; m < M; ++m) acc[m][u] = fma(w, load(x + m * k + j + u * LANES), acc[m][u]);
+      }
+    }
+    for (; j + LANES <= k; j += LANES) {
+      F w = load_real<R>(p.w, row + j);
+      for (int m = 0; m < M; ++m) acc[m][0] = fma(w, load(x + m * k + j), acc[m][0]);
+    }
+    float tail[M] = {};
+    for (; j < k; ++j) {
+      float w = scalar_real<R>(p.w, row + j);
+      for (int m = 0; m < M; ++m) tail[m] += w * x[m * k + j];
+    }
+    for (int m = 0; m < M; ++m) {
+      F total = acc[m][0];
+      for (int u = 1; u < U; ++u) total = add(total, acc[m][u]);
+      y[m * p.n + n] = hsum(total) + tail[m];
+    }
+  }
+}
+
+// Each group of a row: the dot product of its raw values with x, times the group's scale,
+// plus its bias times the sum of x over the group. The scaled dot products stay vectors
+// until the row's end (one horizontal sum per row, not per group).
+template <int BITS, Real S, int M>
+void quantized_rows_m(const QuantizedProduct& p, const float* x, const float* sums, float* y,
+                      int64_t n0, int64_t n1) {
+  const int64_t k = p.k, groups = k / p.group_size, row_bytes = k * BITS / 8;
+  const int gs = p.group_size;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * row_bytes;
+    F acc[M];
+    float bias_acc[M] = {};
+    for (int m = 0; m < M; ++m) acc[m] = zero();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * gs;
+      F dot[M][2];
+      for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = zero();
+      if constexpr (BITS == 4) {
+        for (int j = 0; j < gs; j += 2 * LANES) {
+          F low, high;
+          load_nibbles(row + (first + j) / 2, low, high);
+          for (int m = 0; m < M; ++m) {
+            dot[m][0] = fma(low, load(x + m * k + first + j), dot[m][0]);
+            dot[m][1] = fma(high, load(x + m * k + first + j + LANES), dot[m][1]);
+          }
+        }
+      } else {
+        for (int j = 0; j < gs; j += 2 * LANES) {
+          F a = load_u8(row + first + j), b = load_u8(row + first + j + LANES);
+          for (int m = 0; m < M; ++m) {
+            dot[m][0] = fma(a, load(x + m * k + first + j), dot[m][0]);
+            dot[m][1] = fma(b, load(x + m * k + first + j + LANES), dot[m][1]);
+          }
+        }
+      }
+      const F scale = set1(scalar_real<S>(p.scales, n * groups + g));
+      const float bias = scalar_real<S>(p.biases, n * groups + g);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = fma(scale, add(dot[m][0], dot[m][1]), acc[m]);
+        bias_acc[m] += bias * sums[m * groups + g];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * p.n + n] = hsum(acc[m]) + bias_acc[m];
+  }
+}
+
+constexpr int MAX_M = 8;
+
+// Calls kernel<M> for the positions in chunks of up to MAX_M (M a compile-time constant).
+template <template <int> class Kernel, class... Args>
+void by_position_chunks(int64_t m_total, Args&&... args) {
+  for (int64_t m0 = 0; m0 < m_total; m0 += MAX_M) {
+    switch (std::min<int64_t>(MAX_M, m_total - m0)) {
+      case 1: Kernel<1>::run(m0, args...); break;
+      case 2: Kernel<2>::run(m0, args...); break;
+      case 3: Kernel<3>::run(m0, args...); break;
+      case 4: Kernel<4>::run(m0, args...); break;
+      case 5: Kernel<5>::run(m0, args...); break;
+      case 6: Kernel<6>::run(m0, args...); break;
+      case 7: Kernel<7>::run(m0, args...); break;
+      default: Kernel<8>::run(m0, args...); break;
+    }
+  }
+}
+
+template <Real R>
+struct FloatKernel {
+  template <int M>
+  struct At {
+    static void run(int64_t m0, const FloatProduct& p, int64_t n0, int64_t n1) {
+      float_rows_m<R, M>(p, p.x + m0 * p.k, p.y + m0 * p.n, n0, n1);
+    }
+  };
+};
+
+template <int BITS, Real S>
+struct QuantizedKernel {
+  template <int M>
+  struct At {
+    static void run(int64_t m0, const QuantizedProduct& p, int64_t n0, int64_t n1) {
+      const int64_t groups = p.k / p.group_size;
+      quantized_rows_m<BITS, S, M>(p, p.x_permuted + m0 * p.k, p.x_group_sums + m0 * groups,
+                                   p.y + m0 * p.n, n0, n1);
+    }
+  };
+};
+
+inline void float_rows(const FloatProduct& p, int64_t n0, int64_t n1) {
+  switch (p.w_type) {
+    case Real::F32: by_position_chunks<FloatKernel<Real::F32>::At>(p.m, p, n0, n1); break;
+    case Real::F16: by_position_chunks<FloatKernel<Real::F16>::At>(p.m, p, n0, n1); break;
+    case Real::BF16: by_position_chunks<FloatKernel<Real::BF16>::At>(p.m, p, n0, n1); break;
+  }
+}
+
+template <int BITS>
+inline void quantized_rows_bits(const QuantizedProduct& p, int64_t n0, int64_t n1) {
+  switch (p.scale_type) {
+    case Real::F32: by_position_chunks<QuantizedKernel<BITS, Real::F32>::template At>(p.m, p, n0, n1); break;
+    case Real::F16: by_position_chunks<QuantizedKernel<BITS, Real::F16>::template At>(p.m, p, n0, n1); break;
+    case Real::BF16: by_position_chunks<QuantizedKernel<BITS, Real::BF16>::template At>(p.m, p, n0, n1); break;
+  }
+}
+
+inline void quantized_rows(const QuantizedProduct& p, int64_t n0, int64_t n1) {
+  if (p.bits == 4) quantized_rows_bits<4>(p, n0, n1);
+  else quantized_rows_bits<8>(p, n0, n1);
+}
+
+const Kernels& kernels() {
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows};
+  return set;
+}
+
+}  // namespace mlx_tfm_kernels::ISA_NAMESPACE

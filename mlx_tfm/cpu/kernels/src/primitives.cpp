@@ -1,0 +1,332 @@
+#include "primitives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/utils.h"
+
+#include "kernels.h"
+#include "pool.h"
+#include "convert.h"
+
+namespace mlx_tfm_kernels {
+
+namespace {
+
+// -- reading arrays of any layout --------------------------------------------------------
+
+// The elements of `a` in row-major order as contiguous bytes: the array's own memory when
+// it is row-contiguous, else a copy made in `scratch`.
+const uint8_t* contiguous_bytes(const mx::array& a, std::vector<uint8_t>& scratch) {
+  const uint8_t* base = static_cast<const uint8_t*>(a.data<void>());
+  if (a.flags().row_contiguous) return base;
+  const size_t item = a.itemsize();
+  scratch.resize(a.size() * item);
+  const int nd = a.ndim();
+  std::vector<int64_t> index(nd, 0);
+  int64_t offset = 0;  // in elements, from `base`
+  for (size_t e = 0; e < a.size(); ++e) {
+    std::memcpy(scratch.data() + e * item, base + offset * item, item);
+    for (int d = nd - 1; d >= 0; --d) {  // the next index, like an odometer
+      offset += a.strides()[d];
+      if (++index[d] < a.shape(d)) break;
+      offset -= a.strides()[d] * a.shape(d);
+      index[d] = 0;
+    }
+  }
+  return scratch.data();
+}
+
+Real real_of(mx::Dtype dtype) {
+  if (dtype == mx::float32) return Real::F32;
+  if (dtype == mx::float16) return Real::F16;
+  if (dtype == mx::bfloat16) return Real::BF16;
+  throw std::invalid_argument("mlx_tfm kernels: float32, float16 or bfloat16 expected");
+}
+
+float real_at(const uint8_t* bytes, Real type, size_t i) {
+  switch (type) {
+    case Real::F32: { float v; std::memcpy(&v, bytes + 4 * i, 4); return v; }
+    case Real::F16: { uint16_t v; std::memcpy(&v, bytes + 2 * i, 2); return half_to_float(v); }
+    default: { uint16_t v; std::memcpy(&v, bytes + 2 * i, 2); return bf16_to_float(v); }
+  }
+}
+
+// x (any layout, float32 / float16 / bfloat16) as float32, row-major.
+std::vector<float> float32_copy(const mx::array& x) {
+  std::vector<uint8_t> scratch;
+  const uint8_t* bytes = contiguous_bytes(x, scratch);
+  const Real type = real_of(x.dtype());
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = real_at(bytes, type, i);
+  return out;
+}
+
+// y (float32, row-major) written into `out` in its dtype.
+void store(const std::vector<float>& y, mx::array& out) {
+  if (out.dtype() == mx::float32) {
+    std::memcpy(out.data<float>(), y.data(), y.size() * 4);
+  } else if (out.dtype() == mx::float16) {
+    auto* dst = out.data<mx::float16_t>();
+    for (size_t i = 0; i < y.size(); ++i) dst[i] = static_cast<mx::float16_t>(y[i]);
+  } else {
+    auto* dst = out.data<mx::bfloat16_t>();
+    for (size_t i = 0; i < y.size(); ++i) dst[i] = static_cast<mx::bfloat16_t>(y[i]);
+  }
+}
+
+// -- splitting the rows of a product over the pool -------------------------------------
+
+// Rows [0, n) in pieces of about `TASK_BYTES` of weights, at most a few per thread (taken
+// dynamically: a core busy with other work takes fewer); small products stay on one thread.
+constexpr int64_t TASK_BYTES = 64 << 10;
+
+template <class Rows>
+void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
+  const int64_t by_size = (n * row_bytes) / TASK_BYTES;
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>({by_size, 4 * pool_threads(), n}));
+  const int64_t step = (n + tasks - 1) / tasks;
+  parallel_for(tasks, [&](int64_t t) {
+    const int64_t n0 = t * step, n1 = std::min(n, n0 + step);
+    if (n0 < n1) rows(n0, n1);
+  });
+}
+
+// -- the computations ------------------------------------------------------------------
+
+void float_product(const mx::array& x, const mx::array& w, mx::array& out) {
+  const int64_t n = w.shape(0), k = w.shape(1), m = x.size() / k;
+  std::vector<float> x32 = float32_copy(x);
+  std::vector<uint8_t> scratch;
+  std::vector<float> y(m * n);
+  const FloatProduct p{contiguous_bytes(w, scratch), real_of(w.dtype()), n, k, x32.data(), m, y.data()};
+  const Kernels& kernels = best_kernels();
+  over_rows(n, k * w.itemsize(), [&](int64_t n0, int64_t n1) { kernels.float_rows(p, n0, n1); });
+  store(y, out);
+}
+
+void quantized_product(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits, mx::array& out) {
+  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = x.size() / k, groups = k / group_size;
+  const Kernels& kernels = best_kernels();
+  std::vector<float> x32 = float32_copy(x);
+  std::vector<float> sums(m * groups, 0.0f);
+  for (int64_t i = 0; i < m * groups; ++i)
+    for (int j = 0; j < group_size; ++j) sums[i] += x32[i * group_size + j];
+  if (bits == 4) {
+    std::vector<float> permuted(x32.size());
+    for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32.data() + r * k, permuted.data() + r * k, k, kernels.lanes);
+    x32.swap(permuted);
+  }
+  std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
+  std::vector<float> y(m * n);
+  const QuantizedProduct p{contiguous_bytes(w, w_scratch), bits, group_size, n, k,
+                           contiguous_bytes(scales, s_scratch), contiguous_bytes(biases, b_scratch),
+                           real_of(scales.dtype()), x32.data(), sums.data(), m, y.data()};
+  over_rows(n, k * bits / 8, [&](int64_t n0, int64_t n1) { kernels.quantized_rows(p, n0, n1); });
+  store(y, out);
+}
+
+int64_t id_at(const uint8_t* bytes, mx::Dtype dtype, size_t i) {
+  switch (dtype) {
+    case mx::uint32: { uint32_t v; std::memcpy(&v, bytes + 4 * i, 4); return v; }
+    case mx::int32: { int32_t v; std::memcpy(&v, bytes + 4 * i, 4); return v; }
+    case mx::int64: { int64_t v; std::memcpy(&v, bytes + 8 * i, 8); return v; }
+    case mx::uint64: { uint64_t v; std::memcpy(&v, bytes + 8 * i, 8); return static_cast<int64_t>(v); }
+    default: throw std::invalid_argument("mlx_tfm kernels: integer ids expected");
+  }
+}
+
+void dequantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                      const mx::array& biases, int group_size, int bits, mx::array& out) {
+  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, groups = k / group_size;
+  std::vector<uint8_t> i_scratch, w_scratch, s_scratch, b_scratch;
+  const uint8_t* id_bytes = contiguous_bytes(ids, i_scratch);
+  const uint8_t* wb = contiguous_bytes(w, w_scratch);
+  const uint8_t* sb = contiguous_bytes(scales, s_scratch);
+  const uint8_t* bb = contiguous_bytes(biases, b_scratch);
+  const Real type = real_of(scales.dtype());
+  const unsigned mask = (1u << bits) - 1;
+  std::vector<float> y(ids.size() * k);
+  for (size_t r = 0; r < ids.size(); ++r) {
+    int64_t id = id_at(id_bytes, ids.dtype(), r);
+    id = id < 0 ? id + n : id;  // as MLX's indexing: negative ids count from the end
+    if (id < 0 || id >= n) {  // no exception on the stream's thread: a row of zeros
+      std::fill(y.begin() + r * k, y.begin() + (r + 1) * k, 0.0f);
+      continue;
+    }
+    const uint8_t* row = wb + id * (k * bits / 8);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = real_at(sb, type, id * groups + g), b = real_at(bb, type, id * groups + g);
+      for (int j = 0; j < group_size; ++j) {
+        const int64_t c = g * group_size + j, bit = c * bits;
+        const unsigned q = (row[bit / 8] >> (bit % 8)) & mask;
+        y[r * k + c] = s * static_cast<float>(q) + b;
+      }
+    }
+  }
+  store(y, out);
+}
+
+// -- checks a caller's arguments get -----------------------------------------------------
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("mlx_tfm kernels run on the CPU only");
+  return stream;
+}
+
+void check_float(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16)
+    throw std::invalid_argument(std::string("mlx_tfm kernels: ") + what + " must be float32, float16 or bfloat16");
+}
+
+void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("mlx_tfm kernels: bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("mlx_tfm kernels: group_size must be 32, 64 or 128");
+  if (w.ndim() != 2 || w.dtype() != mx::uint32)
+    throw std::invalid_argument("mlx_tfm kernels: w must be a 2-D uint32 array");
+  const int64_t k = w.shape(1) * 32 / bits;
+  if (k % group_size) throw std::invalid_argument("mlx_tfm kernels: w's width is not a whole number of groups");
+  const mx::Shape expected{w.shape(0), static_cast<int>(k / group_size)};
+  if (scales.shape() != expected || biases.shape() != expected)
+    throw std::invalid_argument("mlx_tfm kernels: scales and biases must be (n, k / group_size)");
+  check_float(scales, "scales");
+  if (biases.dtype() != scales.dtype())
+    throw std::invalid_argument("mlx_tfm kernels: scales and biases must have one dtype");
+}
+
+mx::Shape with_last(const mx::Shape& shape, int last) {
+  mx::Shape out = shape;
+  out.back() = last;
+  return out;
+}
+
+}  // namespace
+
+// -- operations -------------------------------------------------------------------------
+
+mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  check_float(w, "w");
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("mlx_tfm kernels: matvec needs x (..., k) and w (n, k)");
+  return mx::array(with_last(x.shape(), w.shape(0)), mx::promote_types(x.dtype(), w.dtype()),
+                   std::make_shared<MatVec>(cpu_stream(s)), {x, w});
+}
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  check_quantized(w, scales, biases, group_size, bits);
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
+    throw std::invalid_argument("mlx_tfm kernels: x's last axis must match w's width");
+  return mx::array(with_last(x.shape(), w.shape(0)), mx::promote_types(x.dtype(), scales.dtype()),
+                   std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits), {x, w, scales, biases});
+}
+
+mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  check_quantized(w, scales, biases, group_size, bits);
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("mlx_tfm kernels: ids must be integers");
+  mx::Shape shape = ids.shape();
+  shape.push_back(w.shape(1) * 32 / bits);
+  return mx::array(shape, scales.dtype(), std::make_shared<QuantizedRows>(cpu_stream(s), group_size, bits),
+                   {ids, w, scales, biases});
+}
+
+// -- primitives ---------------------------------------------------------------------------
+
+namespace {
+
+// Allocates `out` and queues `compute` on the primitive's CPU stream, as MLX's own CPU
+// primitives do (the inputs stay alive until the stream has run it).
+template <class Compute>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Compute compute) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  std::vector<mx::array> held;
+  for (const auto& in : inputs) held.push_back(mx::array::unsafe_weak_copy(in));
+  encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), compute]() mutable {
+    compute(held, out);
+  });
+}
+
+[[noreturn]] void cpu_only() { throw std::runtime_error("mlx_tfm kernels run on the CPU only"); }
+
+}  // namespace
+
+void MatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { float_product(in[0], in[1], o); });
+}
+
+void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int group_size = group_size_, bits = bits_;
+  dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
+    quantized_product(in[0], in[1], in[2], in[3], group_size, bits, o);
+  });
+}
+
+void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int group_size = group_size_, bits = bits_;
+  dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
+    dequantized_rows(in[0], in[1], in[2], in[3], group_size, bits, o);
+  });
+}
+
+void MatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+void QuantizedRows::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+
+// Gradients through MLX's own ops (training never takes these routes; this keeps a
+// product differentiable wherever it appears).
+std::vector<mx::array> MatVec::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                   const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const mx::array &x = primals[0], &w = primals[1], &cotangent = cotangents[0];
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      grads.push_back(mx::astype(mx::matmul(cotangent, w, stream()), x.dtype(), stream()));
+    } else {  // (n, positions) @ (positions, k)
+      mx::array c = mx::reshape(cotangent, {-1, w.shape(0)}, stream());
+      mx::array xs = mx::reshape(x, {-1, w.shape(1)}, stream());
+      grads.push_back(mx::astype(mx::matmul(mx::transpose(c, stream()), xs, stream()), w.dtype(), stream()));
+    }
+  }
+  return grads;
+}
+
+std::vector<mx::array> QuantizedMatVec::vjp(const std::vector<mx::array>& primals,
+                                            const std::vector<mx::array>& cotangents,
+                                            const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg != 0) throw std::invalid_argument("mlx_tfm kernels: quantized weights have no gradient");
+    grads.push_back(mx::astype(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false,
+                                                    group_size_, bits_, "affine", stream()),
+                               primals[0].dtype(), stream()));
+  }
+  return grads;
+}
+
+bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatVec&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+bool QuantizedRows::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedRows&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+}  // namespace mlx_tfm_kernels

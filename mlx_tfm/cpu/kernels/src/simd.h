@@ -1,0 +1,135 @@
+// One float vector type per instruction set, with the few operations the kernels need.
+// kernels_impl.h is compiled once per instruction set (kernels_avx512.cpp, kernels_avx2.cpp,
+// kernels_generic.cpp), each with its own compiler flags and ISA_NAMESPACE (so the three
+// vector types never meet at link time); dispatch.cpp picks one at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "convert.h"
+
+#if defined(MLX_TFM_ISA_AVX512) || defined(MLX_TFM_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+#if defined(MLX_TFM_ISA_AVX512)
+
+namespace mlx_tfm_kernels::ISA_NAMESPACE::simd {
+constexpr int LANES = 16;
+using F = __m512;
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float v) { return _mm512_set1_ps(v); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
+inline F load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline F load_bf16(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// LANES unsigned bytes as floats.
+inline F load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// LANES bytes hold 2 * LANES 4-bit values: low nibbles (even positions) and high nibbles
+// (odd positions) as two float vectors.
+inline void load_nibbles(const uint8_t* p, F& low, F& high) {
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i mask = _mm512_set1_epi32(0x0F);
+  low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
+  high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+}
+}  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
+
+#elif defined(MLX_TFM_ISA_AVX2)
+
+namespace mlx_tfm_kernels::ISA_NAMESPACE::simd {
+constexpr int LANES = 8;
+using F = __m256;
+inline F zero() { return _mm256_setzero_ps(); }
+inline F set1(float v) { return _mm256_set1_ps(v); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline float hsum(F v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline F load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline F load_bf16(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline F load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void load_nibbles(const uint8_t* p, F& low, F& high) {
+  __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i mask = _mm256_set1_epi32(0x0F);
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
+}  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
+
+#else  // portable: fixed-size arrays the compiler vectorizes (NEON on arm64, SSE2 on x86-64)
+
+namespace mlx_tfm_kernels::ISA_NAMESPACE::simd {
+constexpr int LANES = 8;
+struct F {
+  float v[LANES];
+};
+inline F zero() { return F{}; }
+inline F set1(float s) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = s;
+  return r;
+}
+inline F load(const float* p) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = p[i];
+  return r;
+}
+inline F fma(F a, F b, F c) {
+  for (int i = 0; i < LANES; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline F add(F a, F b) {
+  for (int i = 0; i < LANES; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline float hsum(F a) {
+  float s = 0;
+  for (int i = 0; i < LANES; ++i) s += a.v[i];
+  return s;
+}
+inline F load_f16(const uint16_t* p) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = half_to_float(p[i]);
+  return r;
+}
+inline F load_bf16(const uint16_t* p) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = bf16_to_float(p[i]);
+  return r;
+}
+inline F load_u8(const uint8_t* p) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline void load_nibbles(const uint8_t* p, F& low, F& high) {
+  for (int i = 0; i < LANES; ++i) {
+    low.v[i] = static_cast<float>(p[i] & 0x0F);
+    high.v[i] = static_cast<float>(p[i] >> 4);
+  }
+}
+}  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
+
+#endif

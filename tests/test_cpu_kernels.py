@@ -1,0 +1,282 @@
+"""mlx_tfm's C++ CPU kernels (mlx_tfm/cpu/kernels) against MLX's own ops.
+
+Every kernel on random shapes (odd sizes, batches of positions, non-contiguous inputs,
+every group size and bit width, every scale and weight dtype), within float32 rounding of
+MLX's float32 result; the same for each instruction set the CPU has (AVX-512, AVX2,
+portable); and the switch and the reasons ``mlx-tfm info`` gives. The extension must be
+built (``pip install -e .``, as .ci/run does): if it is not, these tests fail, they do not
+skip. They call it directly, so they run with ``MLX_TFM_KERNELS=0`` too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_tfm.cpu.kernels as kernels_package
+
+try:
+    from mlx_tfm.cpu.kernels import _kernels as K
+except ImportError as error:  # fail loudly, never skip
+    pytest.fail(f"the CPU kernels are not built ({error}): run `pip install -e .` with a C++ compiler and CMake",
+                pytrace=False)
+
+FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# The rounding of the output dtype (float32 results are compared at float32 accuracy).
+OUTPUT_EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+
+
+def assert_close(result: mx.array, reference: mx.array, magnitude: mx.array, k: int) -> None:
+    """|result - reference| within float32 rounding of a k-term sum (~k * 2^-24 times the sum
+    of |terms|, ``magnitude``), plus the rounding of result's own dtype."""
+    result32 = np.array(result.astype(mx.float32))
+    reference = np.array(reference.astype(mx.float32))
+    magnitude = np.array(magnitude.astype(mx.float32))
+    bound = 4 * k * 2.0**-24 * magnitude + OUTPUT_EPS[result.dtype] * np.abs(reference) + 1e-30
+    excess = np.abs(result32 - reference) / bound
+    assert excess.max() <= 1.0, f"off by {excess.max():.1f}x the float32 bound"
+
+
+def random(shape, dtype=mx.float32, seed=None) -> mx.array:
+    return mx.random.normal(shape).astype(dtype)
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    mx.random.seed(1)
+    with mx.stream(mx.cpu):
+        yield
+
+
+# -- float weights -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("w_dtype", FLOATS)
+@pytest.mark.parametrize("x_dtype", FLOATS)
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (1, 37, 577), (2, 1001, 64), (3, 17, 5), (8, 129, 33), (9, 255, 576), (15, 64, 100)])
+def test_matvec_equals_mlx_matmul(w_dtype, x_dtype, m, n, k):
+    x, w = random((m, k), FLOATS[x_dtype]), random((n, k), FLOATS[w_dtype])
+    result = K.matvec(x, w)
+    x32, w32 = x.astype(mx.float32), w.astype(mx.float32)
+    assert result.shape == (m, n)
+    assert result.dtype == (x[:1] @ w[:1].T).dtype  # MLX's promotion
+    assert_close(result, x32 @ w32.T, mx.abs(x32) @ mx.abs(w32).T, k)
+
+
+def test_matvec_keeps_leading_axes():
+    x, w = random((2, 3, 70)), random((45, 70))
+    assert_close(K.matvec(x, w), x @ w.T, mx.abs(x) @ mx.abs(w).T, 70)
+
+
+@pytest.mark.parametrize("layout", ["x transposed", "x strided", "w transposed", "w strided rows", "w row slice"])
+def test_matvec_reads_non_contiguous_inputs(layout):
+    x, w = random((4, 96)), random((130, 96))
+    if layout == "x transposed":
+        x = random((96, 4)).T
+    elif layout == "x strided":
+        x = random((4, 192))[:, ::2]
+    elif layout == "w transposed":
+        w = random((96, 130)).T
+    elif layout == "w strided rows":
+        w = random((260, 96))[::2]
+    else:
+        w = random((300, 96))[17:147]  # row-contiguous, at an offset
+    assert_close(K.matvec(x, w), x @ w.T, mx.abs(x) @ mx.abs(w).T, 96)
+
+
+def test_matvec_large_enough_for_every_thread():
+    x, w = random((1, 576)), random((49152 // 4, 576), mx.float16)
+    w32 = w.astype(mx.float32)
+    assert_close(K.matvec(x, w), x @ w32.T, mx.abs(x) @ mx.abs(w32).T, 576)
+
+
+# -- affine quantized weights --------------------------------------------------------------
+
+
+def quantized(n: int, k: int, group_size: int, bits: int, scale_dtype=mx.float32):
+    weight, scales, biases = mx.quantize(random((n, k)), group_size=group_size, bits=bits)
+    return weight, scales.astype(scale_dtype), biases.astype(scale_dtype)
+
+
+def dequantized(weight, scales, biases, group_size, bits) -> mx.array:
+    return mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
+                         group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", FLOATS)
+@pytest.mark.parametrize("m, n, groups", [(1, 37, 3), (1, 1536, 9), (2, 1, 1), (5, 129, 5), (8, 64, 2), (11, 333, 7)])
+def test_quantized_matvec_equals_mlx(bits, group_size, scale_dtype, m, n, groups):
+    k = groups * group_size
+    weight, scales, biases = quantized(n, k, group_size, bits, FLOATS[scale_dtype])
+    x = random((m, k))
+    result = K.quantized_matvec(x, weight, scales, biases, group_size=group_size, bits=bits)
+    w32 = dequantized(weight, scales, biases, group_size, bits)
+    assert result.shape == (m, n) and result.dtype == (x[:1, :1] * scales[:1, :1]).dtype
+    assert_close(result, x @ w32.T, mx.abs(x) @ mx.abs(w32).T, k)
+    if scale_dtype == "float32":  # MLX's own quantized product, too
+        mlx_result = mx.quantized_matmul(x, weight, scales, biases, group_size=group_size, bits=bits)
+        assert_close(result, mlx_result, mx.abs(x) @ mx.abs(w32).T, 2 * k)
+
+
+@pytest.mark.parametrize("x_dtype", ["float16", "bfloat16"])
+def test_quantized_matvec_half_inputs(x_dtype):
+    weight, scales, biases = quantized(200, 256, 64, 4, mx.float16)
+    x = random((3, 256), FLOATS[x_dtype])
+    result = K.quantized_matvec(x, weight, scales, biases, group_size=64, bits=4)
+    w32, x32 = dequantized(weight, scales, biases, 64, 4), x.astype(mx.float32)
+    assert result.dtype == (x[:1] * scales[:1, :1]).dtype
+    assert_close(result, x32 @ w32.T, mx.abs(x32) @ mx.abs(w32).T, 256)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("layout", ["x transposed", "rows strided", "row slice", "scales transposed"])
+def test_quantized_matvec_reads_non_contiguous_inputs(bits, layout):
+    weight, scales, biases = quantized(90, 256, 64, bits)
+    x = random((3, 256))
+    if layout == "x transposed":
+        x = random((256, 3)).T
+    elif layout == "rows strided":
+        weight, scales, biases = (a[::2] for a in (weight, scales, biases))
+    elif layout == "row slice":
+        weight, scales, biases = (a[13:77] for a in (weight, scales, biases))
+    else:
+        scales = mx.array(np.ascontiguousarray(np.array(scales).T)).T  # same values, column-major
+    result = K.quantized_matvec(x, weight, scales, biases, group_size=64, bits=bits)
+    w32 = dequantized(weight, scales, biases, 64, bits)
+    assert_close(result, x @ w32.T, mx.abs(x) @ mx.abs(w32).T, 256)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", FLOATS)
+def test_quantized_rows_equal_mlx_dequantize(bits, group_size, scale_dtype):
+    weight, scales, biases = quantized(301, 3 * group_size, group_size, bits, FLOATS[scale_dtype])
+    ids = mx.array([[0, 300, 5], [7, 7, 150]], dtype=mx.uint32)
+    result = K.quantized_rows(ids, weight, scales, biases, group_size=group_size, bits=bits)
+    # MLX's dequantize in float32 (half scales are exact in it); the kernel rounds that once
+    # to the scales' dtype, where MLX's half dequantize rounds the product and the sum.
+    reference = dequantized(weight, scales, biases, group_size, bits)[ids]
+    assert result.shape == (2, 3, 3 * group_size) and result.dtype == FLOATS[scale_dtype]
+    assert_close(result, reference, mx.abs(reference), 1)
+
+
+def test_quantized_rows_take_int32_ids_and_strided_ids():
+    weight, scales, biases = quantized(50, 64, 32, 4)
+    ids = mx.array([[3, 9], [4, 49], [1, 2]], dtype=mx.int32).T  # (2, 3), not contiguous
+    result = K.quantized_rows(ids, weight, scales, biases, group_size=32, bits=4)
+    reference = mx.dequantize(weight, scales, biases, group_size=32, bits=4)[ids]
+    assert_close(result, reference, mx.abs(reference), 1)
+
+
+# -- the kernels inside MLX graphs ---------------------------------------------------------
+
+
+def test_kernels_compose_lazily_with_mlx_ops():
+    weight, scales, biases = quantized(64, 64, 32, 4)
+    x = random((1, 64))
+    # y feeds the next product: the graph runs in order on the CPU stream.
+    y = K.quantized_matvec(mx.tanh(x), weight, scales, biases, group_size=32, bits=4)
+    z = K.matvec(y * 2, random((10, 64)))
+    mx.eval(z)
+    assert z.shape == (1, 10) and np.isfinite(np.array(z)).all()
+
+
+def test_matvec_gradient_is_mlx_s():
+    x, w = random((2, 48)), random((20, 48))
+    grad_x, grad_w = mx.grad(lambda a, b: K.matvec(a, b).sum(), argnums=(0, 1))(x, w)
+    ref_x, ref_w = mx.grad(lambda a, b: (a @ b.T).sum(), argnums=(0, 1))(x, w)
+    assert np.allclose(np.array(grad_x), np.array(ref_x), atol=1e-5)
+    assert np.allclose(np.array(grad_w), np.array(ref_w), atol=1e-5)
+
+
+def test_quantized_matvec_gradient_wrt_x_is_mlx_s():
+    weight, scales, biases = quantized(40, 64, 32, 8)
+    x = random((3, 64))
+    grad = mx.grad(lambda a: K.quantized_matvec(a, weight, scales, biases, group_size=32, bits=8).sum())(x)
+    ref = mx.grad(lambda a: mx.quantized_matmul(a, weight, scales, biases, group_size=32, bits=8).sum())(x)
+    assert np.allclose(np.array(grad), np.array(ref), atol=1e-4)
+
+
+# -- bad arguments -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: K.matvec(random((2, 5)), random((3, 6))), "matvec needs x"),
+    (lambda: K.matvec(random((2, 5)), mx.zeros((3, 5), dtype=mx.int32)), "float32, float16 or bfloat16"),
+    (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=32, bits=3), "bits must be 4 or 8"),
+    (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=16, bits=4), "group_size must be"),
+    (lambda: K.quantized_matvec(random((1, 60)), *quantized(8, 64, 32, 4), group_size=32, bits=4), "last axis must match"),
+    (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=64, bits=4), "scales and biases must be"),
+    (lambda: K.quantized_rows(random((2,)), *quantized(8, 64, 32, 4), group_size=32, bits=4), "ids must be integers"),
+])
+def test_bad_arguments_are_one_line_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# -- every instruction set -----------------------------------------------------------------
+
+ISA_CHECK = """
+import json, mlx_tfm, mlx.core as mx, numpy as np
+from mlx_tfm.cpu.kernels import _kernels as K
+mx.random.seed(3)
+x = mx.random.normal((3, 320))
+errors = {}
+for bits in (4, 8):
+    w, s, b = mx.quantize(mx.random.normal((77, 320)), group_size=64, bits=bits)
+    ref = x @ mx.dequantize(w, s, b, group_size=64, bits=bits).T
+    errors[f"q{bits}"] = float(mx.abs(K.quantized_matvec(x, w, s, b, group_size=64, bits=bits) - ref).max())
+for name, dtype in (("f32", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat16)):
+    w = mx.random.normal((77, 317)).astype(dtype)
+    ref = x[:, :317] @ w.astype(mx.float32).T
+    errors[name] = float(mx.abs(K.matvec(x[:, :317], w) - ref).max())
+print(json.dumps({"isa": K.isa(), "errors": errors}))
+"""
+
+
+@pytest.mark.parametrize("cap", ["", "avx2", "generic"])
+def test_every_instruction_set_gives_mlx_s_numbers(cap):
+    env = {**os.environ, "MLX_TFM_KERNELS_ISA": cap, "MLX_TFM_KERNELS_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", ISA_CHECK], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    if cap:
+        assert report["isa"] in (cap, "generic")
+    assert all(error < 1e-3 for error in report["errors"].values()), report
+
+
+# -- the switch and what `mlx-tfm info` says -----------------------------------------------
+
+
+def status_in_subprocess(env: dict) -> str:
+    code = "import mlx_tfm.cpu.kernels as k; print(k.status()); print(k.kernels() is not None)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    return done.stdout
+
+
+def test_the_switch_turns_the_kernels_off():
+    assert status_in_subprocess({"MLX_TFM_KERNELS": "0"}) == "off (MLX_TFM_KERNELS=0): pure MLX routes\nFalse\n"
+    assert status_in_subprocess({"MLX_TFM_KERNELS": "1"}).startswith(f"in use ({K.isa()}, ")
+
+
+def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert f"built against mlx {K.built_with_mlx}, mlx 0.0.1 is installed" in kernels_package.status()
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
+def test_info_names_the_kernels_in_use():
+    done = subprocess.run([sys.executable, "-m", "mlx_tfm", "info"], capture_output=True, text=True, check=True,
+                          env={**os.environ, "MLX_TFM_KERNELS": "1"})
+    assert f"cpu kernels     in use ({K.isa()}," in done.stdout
