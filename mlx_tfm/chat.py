@@ -1,7 +1,7 @@
 """A conversation with a model whose KV cache is kept between turns.
 
 Each turn the whole conversation is rendered with the chat template and tokenized. The
-session remembers exactly which token ids its cache holds (``cached_tokens``); the new
+session remembers exactly which token ids its cache holds (a ``TokenCache``); the new
 rendering is compared with them, the cache is trimmed back to the common prefix (usually
 all of it) and only the rest is fed to the model. So the time to the first token of turn
 10 is about that of turn 1, and the prompt the model sees is always exactly what the
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import UserError
 from .atomic import atomic_file
+from .errors import UserError
+from .prompt_cache import TokenCache
 
 # -- sampling settings (the /set parameters) --------------------------------------------
 
@@ -171,19 +172,11 @@ class AnswerStats:
     finish_reason: str | None
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class ChatSession:
     """A model, its tokenizer, a conversation and the KV cache that holds it.
 
-    ``cached_tokens`` is always exactly the token ids the cache holds, in order.
+    ``cache`` (a ``TokenCache``) holds the conversation: its ``tokens`` are always exactly
+    the ids its layer caches hold, in order.
     """
 
     def __init__(self, model, tokenizer, settings: Settings | None = None, system_prompt: str | None = None,
@@ -198,7 +191,7 @@ class ChatSession:
         bounds = [model.args.max_position_embeddings] + ([max_kv_size] if max_kv_size else [])
         self.context_limit = min(bounds)
         self.last_stats: AnswerStats | None = None
-        self.reset_cache()
+        self.cache = TokenCache(model, max_kv_size=max_kv_size)
 
     # -- settings ---------------------------------------------------------------------
     def set(self, name: str, text: str) -> float | int:
@@ -219,39 +212,7 @@ class ChatSession:
         return len(self.render(self.conversation.messages(), add_generation_prompt=False))
 
     def reset_cache(self) -> None:
-        self.cache = self.model.make_cache(max_kv_size=self.max_kv_size)
-        self.cached_tokens: list[int] = []
-
-    def _trim_cache_to(self, length: int) -> bool:
-        """Make every layer hold exactly the first ``length`` cached tokens."""
-        for layer_cache in self.cache:
-            excess = layer_cache.offset - length
-            if excess < 0:
-                return False
-            if excess and (not layer_cache.is_trimmable() or layer_cache.trim(excess) != excess):
-                return False
-        self.cached_tokens = self.cached_tokens[:length]
-        return True
-
-    def sync_cache(self, target: list[int]) -> list[int]:
-        """Trim the cache to its common prefix with ``target``; return the tokens still to
-        feed (at least one, since the model's next-token logits come from the last)."""
-        common = min(common_prefix_length(self.cached_tokens, target), len(target) - 1)
-        if not self._trim_cache_to(common):
-            self.reset_cache()  # e.g. a rotating cache that has wrapped: start again
-            common = 0
-        return target[common:]
-
-    def _reconcile(self, known: list[int]) -> None:
-        """After generation: the cache holds a prefix of ``known`` (prompt + answer ids),
-        or one token it never yielded. Trim it to what is known; the rest is fed later."""
-        offsets = {layer_cache.offset for layer_cache in self.cache}
-        if len(offsets) != 1:  # a layer was left behind mid-step: nothing can be trusted
-            self.reset_cache()
-            return
-        self.cached_tokens = list(known)
-        if not self._trim_cache_to(min(offsets.pop(), len(known))):
-            self.reset_cache()
+        self.cache.reset()
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed ``tokens`` into the cache without generating (for ``/load``)."""
@@ -259,8 +220,8 @@ class ChatSession:
 
         from .generate import prefill
 
-        prefill(self.model, mx.array(tokens, dtype=mx.int32), self.cache)
-        self.cached_tokens += list(tokens)
+        prefill(self.model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
+        self.cache.record(tokens)
 
     def rebuild_cache(self) -> int:
         """Re-process the whole conversation into a fresh cache; returns its length."""
@@ -268,7 +229,7 @@ class ChatSession:
         self._drop_to_fit(self.render(self.conversation.messages()))
         tokens = self.render(self.conversation.messages(), add_generation_prompt=False)
         self.prefill(tokens[: self.context_limit])
-        return len(self.cached_tokens)
+        return len(self.cache.tokens)
 
     # -- the context policy -----------------------------------------------------------
     def _reserve(self) -> int:
@@ -318,12 +279,12 @@ class ChatSession:
         except UserError:  # too long, or refused by the template: the message is not kept
             self.conversation.turns.pop()
             raise
-        feed = self.sync_cache(target)
+        feed = self.cache.prepare(target)
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
         stream = stream_generate(self.model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
-                                 prompt_cache=self.cache)
+                                 prompt_cache=self.cache.layers)
         tokens: list[int] = []
         first_token_s, last = 0.0, None
         try:
@@ -346,7 +307,7 @@ class ChatSession:
         """Keep the answer (also a stopped one) and make the bookkeeping match the cache."""
         answer_ids = [t for t in tokens if t not in self.tokenizer.eos_token_ids]
         self.conversation.turns.append({"role": "assistant", "content": self.tokenizer.decode(answer_ids)})
-        self._reconcile(target + tokens)
+        self.cache.reconcile(target + tokens)
 
     def _record_stats(self, last, new_prompt_tokens: int, conversation_tokens: int, first_token_s: float) -> None:
         self.last_stats = AnswerStats(

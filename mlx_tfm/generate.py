@@ -11,15 +11,13 @@ included (also an EOS token or the token that completed a stop string). So
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+from .cache import RotatingKVCache
 from .errors import UserError
 from .sample import LogitsProcessor, Sampler, greedy
 from .tokenizer import Tokenizer
@@ -313,57 +311,10 @@ def format_stats(response: GenerationResponse) -> str:
     )
 
 
-# -- prompt cache files ------------------------------------------------------------------
-
-
-def model_fingerprint(model) -> str:
-    """What a prompt cache depends on: the architecture and the weights' dtype."""
-    dtype = str(model.model.embed_tokens.weight.dtype)
-    return json.dumps({"args": model.args.to_dict(), "dtype": dtype}, sort_keys=True)
-
-
-def reuse_prompt_cache_file(path: str | Path, model, prompt_tokens: list[int],
-                            max_kv_size: int | None = None) -> tuple[list, list[int]]:
-    """A cache for ``prompt_tokens`` starting from the file's cached prefix: returns
-    (cache, the prompt tokens still to process). At least the last prompt token is always
-    left to process, since its logits give the first new token. A missing file, or one
-    that shares nothing usable, gives a fresh cache and the whole prompt."""
-    path = Path(path)
-    fresh = model.make_cache(max_kv_size), list(prompt_tokens)
-    if not path.is_file():
-        return fresh
-    try:
-        cache, metadata = load_prompt_cache(path)
-        cached_tokens = json.loads(metadata["tokens"])
-        fingerprint = metadata["model"]
-    except Exception as e:
-        raise UserError(f"{path} is not a prompt cache file written by mlx-tfm ({e})") from None
-    if fingerprint != model_fingerprint(model):
-        raise UserError(f"{path} was written for a different model (or dtype); delete it or pick another file")
-    common = 0
-    for cached, new in zip(cached_tokens, prompt_tokens[:-1]):
-        if cached != new:
-            break
-        common += 1
-    excess = cache[0].offset - common
-    if common == 0 or any(c.trim(excess) != excess for c in cache):
-        return fresh
-    return cache, list(prompt_tokens[common:])
-
-
-def save_prompt_cache_file(path: str | Path, model, cache: list, tokens: list[int]) -> None:
-    """Write ``cache`` (holding exactly ``tokens``) for ``reuse_prompt_cache_file``."""
-    if cache[0].offset != len(tokens):
-        raise ValueError(f"the cache holds {cache[0].offset} positions, not the {len(tokens)} tokens given")
-    save_prompt_cache(path, cache, metadata={"tokens": json.dumps(tokens), "model": model_fingerprint(model)})
-
-
 __all__ = [
     "GenerationResponse",
     "generate",
     "stream_generate",
     "generate_step",
     "prefill",
-    "reuse_prompt_cache_file",
-    "save_prompt_cache_file",
 ]

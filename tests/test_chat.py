@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import mlx_tfm
-from mlx_tfm.chat import ChatSession, Settings, common_prefix_length
+from mlx_tfm.chat import ChatSession, Settings
+from mlx_tfm.prompt_cache import common_prefix_length
 from mlx_tfm.chat_commands import Quit, run_command
 from mlx_tfm.cli.chat import read_message
 from mlx_tfm.errors import UserError
@@ -75,9 +76,9 @@ def fresh_prefill(model, tokens):
 
 def assert_cache_holds(session, model):
     """Every layer holds exactly ``cached_tokens``, equal to processing them afresh."""
-    assert {c.offset for c in session.cache} == {len(session.cached_tokens)}
-    fresh, _ = fresh_prefill(model, session.cached_tokens)
-    for ours, theirs in zip(session.cache, fresh):
+    assert {c.offset for c in session.cache.layers} == {len(session.cache.tokens)}
+    fresh, _ = fresh_prefill(model, session.cache.tokens)
+    for ours, theirs in zip(session.cache.layers, fresh):
         for a, b in zip(ours.state, theirs.state):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
 
@@ -92,7 +93,7 @@ def test_each_turn_processes_only_its_new_tokens(chat_model):
                           on_notice=lambda text: None)
     previous_prompt, previous_answer = [], 0
     for turn, message in enumerate(MESSAGES):
-        before, counting.fed = list(session.cached_tokens), 0
+        before, counting.fed = list(session.cache.tokens), 0
         list(session.answer(message))
         prompt = session.render(session.conversation.messages()[:-1])
         stats = session.last_stats
@@ -116,17 +117,17 @@ def test_stopped_answer_keeps_the_conversation_and_a_consistent_cache(chat_model
     calls = []
     shown = "".join(session.answer(MESSAGES[1], should_stop=lambda: calls.append(1) or len(calls) >= 5))
     prompt = session.render(session.conversation.messages()[:-1])
-    assert session.cached_tokens[: len(prompt)] == prompt
-    answer_ids = session.cached_tokens[len(prompt) :]
+    assert session.cache.tokens[: len(prompt)] == prompt
+    answer_ids = session.cache.tokens[len(prompt) :]
     assert len(answer_ids) == 5 and session.last_stats.generation_tokens == 5
     assert session.conversation.turns[-1] == {"role": "assistant", "content": tokenizer.decode(answer_ids)}
     assert shown.strip() == tokenizer.decode(answer_ids).strip()
     assert_cache_holds(session, model)
     # the next turn's logits equal those of processing the whole conversation afresh
     target = session.render(session.conversation.messages() + [{"role": "user", "content": MESSAGES[2]}])
-    to_feed = session.sync_cache(target)
+    to_feed = session.cache.prepare(target)
     assert len(to_feed) < len(target) - len(prompt)
-    ours = model(mx.array(to_feed)[None], cache=session.cache)[0, -1]
+    ours = model(mx.array(to_feed)[None], cache=session.cache.layers)[0, -1]
     _, theirs = fresh_prefill(model, target)
     np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
 
@@ -137,10 +138,10 @@ def test_cache_that_holds_an_unyielded_token_is_trimmed(chat_model):
     model, _ = chat_model
     session = session_of(chat_model)
     list(session.answer(MESSAGES[0]))
-    known = list(session.cached_tokens)
-    model(mx.array([[7]]), cache=session.cache)  # one token the session never saw
-    session._reconcile(known)
-    assert session.cached_tokens == known
+    known = list(session.cache.tokens)
+    model(mx.array([[7]]), cache=session.cache.layers)  # one token the session never saw
+    session.cache.reconcile(known)
+    assert session.cache.tokens == known
     assert_cache_holds(session, model)
 
 
@@ -158,7 +159,7 @@ def test_save_and_load_round_trip(chat_model, tmp_path):
     second = session_of(chat_model)
     assert "Loaded 4 messages" in run_command(second, f"/load {path}")
     assert second.conversation == first.conversation
-    assert second.cached_tokens == second.render(second.conversation.messages(), add_generation_prompt=False)
+    assert second.cache.tokens == second.render(second.conversation.messages(), add_generation_prompt=False)
     assert_cache_holds(second, model)
     # the restored conversation goes on exactly as the original does
     assert "".join(second.answer(MESSAGES[2])) == "".join(first.answer(MESSAGES[2]))
@@ -189,8 +190,8 @@ def test_a_long_conversation_drops_the_oldest_exchanges(chat_model, stories_hf, 
     assert limit == (max_kv_size or 512)
     for turn in range(40 if max_kv_size is None else 6):
         list(session.answer(f"Tell me part {turn} of the story about the little red ball."))
-        assert len(session.cached_tokens) <= limit
-        assert {c.offset for c in session.cache} == {len(session.cached_tokens)}
+        assert len(session.cache.tokens) <= limit
+        assert {c.offset for c in session.cache.layers} == {len(session.cache.tokens)}
         if any("dropped" in n for n in notices):
             # enough was dropped that the next turns again run from the cache
             prompt_tokens = session.last_stats.conversation_tokens - session.last_stats.generation_tokens
@@ -336,7 +337,7 @@ def test_loading_a_conversation_longer_than_the_context(chat_model, tmp_path):
     session = ChatSession(model, tokenizer, Settings(max_tokens=16), max_kv_size=128, on_notice=notices.append)
     session.load(path)
     assert any("dropped" in n for n in notices)
-    assert 0 < len(session.conversation.turns) < 12 and len(session.cached_tokens) <= 128
+    assert 0 < len(session.conversation.turns) < 12 and len(session.cache.tokens) <= 128
     assert_cache_holds(session, model)
     list(session.answer("And then?"))
-    assert {c.offset for c in session.cache} == {len(session.cached_tokens)}
+    assert {c.offset for c in session.cache.layers} == {len(session.cache.tokens)}

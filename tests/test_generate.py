@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_tfm import generate, load, stream_generate
 from mlx_tfm.errors import UserError
-from mlx_tfm.generate import reuse_prompt_cache_file, save_prompt_cache_file
+from mlx_tfm.prompt_cache import TokenCache
 from mlx_tfm.model import Model, ModelArgs
 from mlx_tfm.sample import make_logits_processors, make_sampler
 
@@ -208,32 +208,81 @@ def test_prompt_cache_file_gives_the_same_continuation(stories, tmp_path):
     prompt = tokenizer.encode("Once upon a time, there was a big dog named Max. Max liked to run in the sun.")
     expected = continuation(model, tokenizer, prompt)
 
-    cache, rest = reuse_prompt_cache_file(path, model, prompt)  # no file yet: everything to do
-    assert rest == prompt and cache[0].offset == 0
-    assert continuation(model, tokenizer, rest, cache) == expected
-    for c in cache:
-        c.trim(30)
-    save_prompt_cache_file(path, model, cache, prompt)
+    token_cache = TokenCache(model)
+    rest = token_cache.prepare(prompt)  # nothing cached: everything to do
+    assert rest == prompt and token_cache.offset == 0
+    assert continuation(model, tokenizer, rest, token_cache.layers) == expected
+    token_cache.reconcile(prompt + expected)
+    assert token_cache.trim_to(len(prompt))
+    token_cache.save(path)
 
-    cache, rest = reuse_prompt_cache_file(path, model, prompt)
-    assert rest == prompt[-1:] and cache[0].offset == len(prompt) - 1
-    assert continuation(model, tokenizer, rest, cache) == expected
+    token_cache = TokenCache.load(path, model)
+    rest = token_cache.prepare(prompt)
+    assert rest == prompt[-1:] and token_cache.offset == len(prompt) - 1
+    assert continuation(model, tokenizer, rest, token_cache.layers) == expected
 
     other = prompt[:12] + tokenizer.encode(" The cat sat on a mat.", add_special_tokens=False)
-    cache, rest = reuse_prompt_cache_file(path, model, other)  # shares a 12-token prefix
-    assert cache[0].offset == 12 and rest == other[12:]
-    assert continuation(model, tokenizer, rest, cache) == continuation(model, tokenizer, other)
+    token_cache = TokenCache.load(path, model)
+    rest = token_cache.prepare(other)  # shares a 12-token prefix
+    assert token_cache.offset == 12 and rest == other[12:] and token_cache.tokens == other[:12]
+    assert continuation(model, tokenizer, rest, token_cache.layers) == continuation(model, tokenizer, other)
+
+
+def saved_cache(model, tokenizer, path) -> None:
+    token_cache = TokenCache(model)
+    list(stream_generate(model, tokenizer, [1, 403], max_tokens=1, prompt_cache=token_cache.layers))
+    token_cache.record([1, 403, 407])
+    token_cache.save(path)
 
 
 def test_prompt_cache_file_of_another_model_is_refused(stories, tmp_path):
     model, tokenizer = stories
     path = tmp_path / "prompt.safetensors"
-    cache = model.make_cache()
-    list(stream_generate(model, tokenizer, [1, 403], max_tokens=1, prompt_cache=cache))
-    save_prompt_cache_file(path, model, cache, [1, 403, 407])
+    saved_cache(model, tokenizer, path)
     other = Model(ModelArgs.from_dict(tiny_llama_config(vocab_size=512)))
     with pytest.raises(UserError, match="different model"):
-        reuse_prompt_cache_file(path, other, [1, 403, 407, 5])
+        TokenCache.load(path, other)
+
+
+def test_prompt_cache_file_of_other_weights_or_adapters_is_refused(stories, stories_hf, tmp_path):
+    """Same architecture and dtype, other weights: a fine-tune, or the same base with
+    another LoRA adapter, or a fresh adapter whose B is zero but whose A differs."""
+    from mlx_tfm.training.lora import apply_lora
+
+    model, tokenizer = stories
+    path = tmp_path / "prompt.safetensors"
+    saved_cache(model, tokenizer, path)
+    TokenCache.load(path, model)  # the same model: accepted
+    changed, _ = load(stories_hf)
+    changed.layers[3].mlp.down_proj.weight = changed.layers[3].mlp.down_proj.weight * 1.01
+    with pytest.raises(UserError, match="different model, dtype or adapter"):
+        TokenCache.load(path, changed)
+    adapted, _ = load(stories_hf)
+    adapted.freeze()
+    apply_lora(adapted, num_layers=2, fine_tune_type="lora", rank=4, scale=10.0, dropout=0.0)
+    mx.eval(adapted.parameters())
+    with pytest.raises(UserError, match="different model, dtype or adapter"):
+        TokenCache.load(path, adapted)
+
+
+def test_rotating_cache_survives_prompt_cache_save_and_load(stories, tmp_path):
+    """A bounded cache past its bound (wrapped: its slots out of time order) saves and
+    loads into a cache that continues exactly as the original does."""
+    model, tokenizer = stories
+    path = tmp_path / "rotating.safetensors"
+    prompt = tokenizer.encode("Once upon a time, there was a big dog named Max. Max liked to run in the sun. " * 2)
+    token_cache = TokenCache(model, max_kv_size=24)
+    generated = continuation(model, tokenizer, prompt, token_cache.layers)
+    token_cache.reconcile(prompt + generated)
+    assert token_cache.offset > 24 and not token_cache.layers[0].is_trimmable()
+    token_cache.save(path)
+    loaded = TokenCache.load(path, model, max_kv_size=24)
+    assert loaded.tokens == token_cache.tokens
+    for original, restored in zip(token_cache.layers, loaded.layers):
+        assert (restored.offset, restored.max_size, restored.keep) == (original.offset, original.max_size, original.keep)
+    following = [1, 403, 407, 5]
+    assert continuation(model, tokenizer, following, loaded.layers) == continuation(
+        model, tokenizer, following, token_cache.layers)
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -53,8 +53,9 @@ def run(args) -> int:
     import mlx.core as mx
 
     from ..errors import UserError
-    from ..generate import check_vocabulary, format_stats, reuse_prompt_cache_file, stream_generate
+    from ..generate import check_vocabulary, format_stats, stream_generate
     from ..loading import load
+    from ..prompt_cache import TokenCache
     from ..sample import make_logits_processors, make_sampler
 
     if args.max_tokens < 0:
@@ -70,20 +71,21 @@ def run(args) -> int:
     check_vocabulary(model, tokenizer)
     prompt_tokens = build_prompt(tokenizer, read_prompt(args.prompt), args.system_prompt, args.ignore_chat_template)
 
-    if args.prompt_cache_file:
-        cache, to_process = reuse_prompt_cache_file(args.prompt_cache_file, model, prompt_tokens, args.max_kv_size)
-        save_after = not Path(args.prompt_cache_file).exists()
+    cache_file = Path(args.prompt_cache_file) if args.prompt_cache_file else None
+    if cache_file is not None and cache_file.is_file():
+        token_cache = TokenCache.load(cache_file, model, args.max_kv_size)
     else:
-        cache, to_process, save_after = model.make_cache(args.max_kv_size), prompt_tokens, False
+        token_cache = TokenCache(model, args.max_kv_size)
+    to_process = token_cache.prepare(prompt_tokens)
 
     generated, response = [], None
     for response in stream_generate(model, tokenizer, to_process, args.max_tokens, sampler, processors,
-                                    prompt_cache=cache, stop_strings=args.stop):
+                                    prompt_cache=token_cache.layers, stop_strings=args.stop):
         print(response.text, end="", flush=True)
         generated.append(response.token)
     print(flush=True)
-    if save_after:
-        save_prompt_only(args.prompt_cache_file, model, cache, prompt_tokens, generated)
+    if cache_file is not None and not cache_file.exists():
+        save_prompt_only(cache_file, token_cache, prompt_tokens, generated)
     if args.verbose and response is not None:
         print(format_stats(response), file=sys.stderr)
     return 0
@@ -140,13 +142,9 @@ def build_prompt(tokenizer, prompt: str, system_prompt: str | None, ignore_chat_
     return tokenizer.encode(prompt)
 
 
-def save_prompt_only(path, model, cache: list, prompt_tokens: list[int], generated: list[int]) -> None:
+def save_prompt_only(path: Path, token_cache, prompt_tokens: list[int], generated: list[int]) -> None:
     """Save the prompt's cache: the generated tokens are trimmed off when the cache
     allows it, else kept (their ids are recorded with the cache)."""
-    from ..generate import save_prompt_cache_file
-
-    if generated and all(c.is_trimmable() for c in cache):
-        for c in cache:
-            c.trim(len(generated))
-        generated = []
-    save_prompt_cache_file(path, model, cache, list(prompt_tokens) + generated)
+    token_cache.reconcile(list(prompt_tokens) + generated)
+    token_cache.trim_to(len(prompt_tokens))
+    token_cache.save(path)
