@@ -280,3 +280,60 @@ def test_info_names_the_kernels_in_use():
     done = subprocess.run([sys.executable, "-m", "mlx_tfm", "info"], capture_output=True, text=True, check=True,
                           env={**os.environ, "MLX_TFM_KERNELS": "1"})
     assert f"cpu kernels     in use ({K.isa()}," in done.stdout
+
+
+# -- the layers route decoding through the kernels -----------------------------------------
+
+
+def test_decoding_products_take_the_kernels_and_prompt_chunks_do_not(monkeypatch):
+    import mlx.nn as nn
+
+    from mlx_tfm.cpu import linear
+    from mlx_tfm.cpu.linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+
+    calls = []
+
+    class Counting:  # the kernels module, counting calls
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append(name) or getattr(K, name)(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "kernels", lambda: Counting())
+    quantized = QuantizedLinear.from_linear(nn.Linear(128, 96), group_size=64, bits=4)
+    half = Linear.from_linear(nn.Linear(128, 96))
+    half.set_dtype(mx.float16)
+    dense = Linear.from_linear(nn.Linear(128, 96))
+    embedding = QuantizedEmbedding.from_embedding(nn.Embedding(500, 128), group_size=32, bits=8)
+    tied = Embedding.from_embedding(nn.Embedding(2000, 64))
+    for layer, x in ((quantized, random((1, 1, 128))), (half, random((1, 1, 128), mx.float16)),
+                     (dense, random((1, 1, 128))), (embedding.as_linear, random((1, 1, 128))),
+                     (tied.as_linear, random((1, 1, 64)))):
+        mx.eval(layer(x))
+    mx.eval(embedding(mx.array([[3, 7]])))
+    assert calls == ["quantized_matvec", "matvec", "matvec", "quantized_matvec", "matvec", "quantized_rows"]
+    mx.eval(quantized(random((1, 40, 128))), half(random((1, 40, 128), mx.float16)))
+    assert len(calls) == 6  # prompt chunks: float32 BLAS
+
+
+def test_a_model_decodes_the_same_with_and_without_kernels():
+    from mlx_tfm.cpu import generic_routes, specialize
+    from mlx_tfm.model import Model, ModelArgs
+
+    import mlx.nn as nn
+
+    args = ModelArgs.from_dict({"model_type": "llama", "hidden_size": 128, "intermediate_size": 320,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 1000, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    model = Model(args)
+    nn.quantize(model, group_size=64, bits=4)
+    specialize(model)
+    tokens = mx.array([[5, 17, 300, 2]])
+
+    def logits_by_step():
+        cache = model.make_cache()
+        model(tokens[:, :3], cache=cache)
+        return model(tokens[:, 3:], cache=cache)  # one position: the decoding route
+
+    fast = logits_by_step()
+    with generic_routes():
+        plain = logits_by_step()
+    assert np.allclose(np.array(fast), np.array(plain), atol=1e-4, rtol=1e-4)

@@ -127,7 +127,9 @@ def test_float16_folder_loads_with_half_linears_and_keeps_the_golden_prefix(stor
 
 def test_decoding_splits_quantized_and_half_products_over_the_cpu_streams(monkeypatch):
     """One position through quantized, float16 and wide float32 layers takes the split route;
-    a prompt chunk does not (it goes through float32 BLAS blocks)."""
+    a prompt chunk does not (it goes through float32 BLAS blocks). Without mlx_tfm's C++
+    kernels: with them, decoding takes those (tests/test_cpu_kernels.py)."""
+    monkeypatch.setattr(cpu_linear, "kernels", lambda: None)
     calls = []
     split = cpu_linear.rows_in_parallel
     monkeypatch.setattr(cpu_linear, "rows_in_parallel", lambda product, out_dims: calls.append(out_dims) or split(product, out_dims))

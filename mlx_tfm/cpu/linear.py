@@ -39,6 +39,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .kernels import kernels
 from .switch import on_cpu
 
 
@@ -90,13 +91,24 @@ def rows_in_parallel(product_of_rows: Callable[[int, int], mx.array], out_dims: 
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def kernels_take(layer: nn.Module) -> bool:
+    """Whether mlx_tfm's C++ kernels (``mlx_tfm.cpu.kernels``) are in use and cover this
+    affine quantized layer's layout (4 or 8 bits, group 32, 64 or 128, with biases)."""
+    return (kernels() is not None and layer.bits in (4, 8) and layer.group_size in (32, 64, 128)
+            and "biases" in layer)
+
+
 def quantized_rows_product(x: mx.array, layer: nn.Module) -> mx.array:
-    """``x @ W.T`` for a quantized ``layer`` (weight, scales, biases) through MLX's kernel,
-    its rows split over the CPU streams. The kernel is fast only with float32 scales and
+    """``x @ W.T`` for a quantized ``layer`` (weight, scales, biases): one call of mlx_tfm's
+    kernels where they take it, else MLX's kernel with its rows split over the CPU streams.
+    MLX's kernel is fast only with float32 scales and
     inputs (27 ms against 0.8 ms for one position through a 576 -> 1536 layer with float16
     scales), so half-precision scales and inputs become float32 just in time: for each
     slice that is a 32nd of its weights' count (group size 64), a few microseconds."""
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    if kernels_take(layer):
+        return kernels().quantized_matvec(x, weight, scales, biases, group_size=layer.group_size,
+                                          bits=layer.bits).astype(x.dtype)
     x32 = x.astype(mx.float32)
 
     def product_of_rows(start: int, stop: int) -> mx.array:
@@ -114,7 +126,10 @@ def is_half(weight: mx.array) -> bool:
 
 
 def split_product(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ W.T`` as stored, W's rows split over the CPU streams."""
+    """``x @ W.T`` as stored: mlx_tfm's kernel where it is in use, else W's rows split over
+    the CPU streams."""
+    if kernels() is not None:
+        return kernels().matvec(x, weight)
     return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, weight.shape[0])
 
 
@@ -134,7 +149,10 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ W.T`` for one position and a float32 W: ``W @ x``, which OpenBLAS runs up to
     3.5x faster for expanding shapes; but for very wide outputs (a vocabulary head)
     ``x @ W.T`` with the rows split over the CPU streams (49152x576: ~9 ms against ~10 ms,
-    ~11 ms as ``W @ x``)."""
+    ~11 ms as ``W @ x``). mlx_tfm's kernel, where it is in use, streams W at the memory's
+    speed in every shape."""
+    if kernels() is not None:
+        return kernels().matvec(x, weight)
     out_dims, in_dims = weight.shape
     if out_dims <= 8 * in_dims:
         return (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], out_dims)  # (out, 1) -> (..., out)
@@ -235,7 +253,14 @@ class Embedding(nn.Embedding):
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output head, 49152 rows for the
-    135M model) splits its rows over the CPU streams."""
+    135M model) takes ``quantized_rows_product``, and whose lookup is one kernel call
+    (gather and dequantize fused) where mlx_tfm's kernels take the layer."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not on_cpu() or self.mode != "affine" or not kernels_take(self):
+            return super().__call__(x)
+        return kernels().quantized_rows(x, self["weight"], self["scales"], self["biases"],
+                                        group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         if not on_cpu() or self.mode != "affine":
