@@ -15,28 +15,7 @@ from mlx_tfm.chat_commands import Quit, run_command
 from mlx_tfm.cli.chat import read_message
 from mlx_tfm.errors import UserError
 from mlx_tfm.tokenizer import load_tokenizer
-
-# A minimal template in the usual shape: BOS, turns, EOS after each answer.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
-    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
-    "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
-
-def with_chat_template(source, folder, **config_changes):
-    """A copy of a model folder whose tokenizer_config.json carries CHAT_TEMPLATE."""
-    shutil.copytree(source, folder)
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    if config_changes:
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
-    return folder
-
+from fixtures.model_folders import CHAT_TEMPLATE, with_chat_template
 
 @pytest.fixture(scope="module")
 def chat_folder(stories_hf, tmp_path_factory):

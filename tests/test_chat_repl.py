@@ -14,7 +14,7 @@ import pytest
 import mlx_tfm
 from mlx_tfm.chat import ChatSession, Settings
 from mlx_tfm.tokenizer import load_tokenizer
-from test_chat import with_chat_template
+from fixtures.model_folders import with_chat_template
 
 # CSI sequences (colours, cursor moves, modes) and carriage returns: what remains is the
 # text a person reads.

@@ -12,19 +12,11 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures.cli_runs import convert_error
 from fixtures.convert_helpers import make_hf_model, stories_llama2c_tensors, write_stories_gguf
 
 from mlx_tfm.cli import main
 from mlx_tfm.errors import UserError
-
-
-def run_cli(capsys, *argv) -> str:
-    """Run ``mlx-tfm convert ARGV``; assert it failed cleanly; return the message."""
-    code = main(["convert", *map(str, argv)])
-    err = capsys.readouterr().err.strip()
-    assert code == 1, err
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def assert_no_output(out) -> None:
@@ -53,13 +45,13 @@ def copy_with(tmp_path, hf_folder, weights=None, config=None):
 def test_missing_config(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder)
     (folder / "config.json").unlink()
-    assert "has no config.json" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "has no config.json" in convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert_no_output(tmp_path / "out")
 
 
 def test_unknown_model_type(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "model_type": "mamba9"})
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "unknown model_type 'mamba9'" in err and "gemma2, gpt2, llama" in err
     assert_no_output(tmp_path / "out")
 
@@ -67,14 +59,14 @@ def test_unknown_model_type(tmp_path, hf_folder, capsys):
 def test_missing_tensor_is_named(tmp_path, hf_folder, capsys):
     name = "model.layers.1.mlp.up_proj.weight"
     folder = copy_with(tmp_path, hf_folder, weights=lambda w: {k: v for k, v in w.items() if k != name})
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "missing 1 tensor(s)" in err and name in err
     assert_no_output(tmp_path / "out")
 
 
 def test_unexpected_tensor_is_named(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder, weights=lambda w: {**w, "model.layers.0.extra.weight": mx.zeros((4,))})
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "unexpected tensor(s)" in err and "model.layers.0.extra.weight" in err
     assert_no_output(tmp_path / "out")
 
@@ -82,7 +74,7 @@ def test_unexpected_tensor_is_named(tmp_path, hf_folder, capsys):
 def test_shape_mismatch_is_named(tmp_path, hf_folder, capsys):
     name = "model.layers.0.self_attn.k_proj.weight"
     folder = copy_with(tmp_path, hf_folder, weights=lambda w: {**w, name: mx.zeros((8, 64))})
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert f"shape mismatch for {name}" in err and "(8, 64)" in err
     assert_no_output(tmp_path / "out")
 
@@ -91,7 +83,7 @@ def test_truncated_safetensors(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder)
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "model.safetensors is not a readable safetensors file" in err
     assert_no_output(tmp_path / "out")
 
@@ -99,14 +91,14 @@ def test_truncated_safetensors(tmp_path, hf_folder, capsys):
 def test_corrupt_safetensors(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder)
     (folder / "model.safetensors").write_bytes(b"\xff" * 100)
-    assert "not a readable safetensors file" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "not a readable safetensors file" in convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
 
 
 def test_missing_shard(tmp_path, hf_folder, capsys):
     folder = copy_with(tmp_path, hf_folder)
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "missing: model-00001-of-00002.safetensors, model-00002-of-00002.safetensors" in err
 
 
@@ -124,7 +116,7 @@ def test_foreign_quantization_refused_by_convert_and_load(name, tmp_path, hf_fol
     from mlx_tfm import load
 
     folder = copy_with(tmp_path, hf_folder, config=lambda c: {**c, "quantization_config": FOREIGN_QUANTIZATION[name]})
-    assert f"quantized with {name}, which mlx-tfm cannot read" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert f"quantized with {name}, which mlx-tfm cannot read" in convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     with pytest.raises(UserError, match=f"quantized with {name}, which mlx-tfm cannot read"):
         load(folder)
 
@@ -135,7 +127,7 @@ def test_pytorch_bin_without_torch(tmp_path, hf_folder, capsys, monkeypatch):
     (folder / "config.json").write_text((hf_folder / "config.json").read_text())
     (folder / "pytorch_model.bin").write_bytes(b"not read")
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
-    err = run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
     assert "needs torch: pip install torch" in err
 
 
@@ -144,7 +136,7 @@ def test_corrupt_pytorch_bin(tmp_path, hf_folder, capsys):
     folder.mkdir()
     (folder / "config.json").write_text((hf_folder / "config.json").read_text())
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04garbage")
-    assert "not a readable PyTorch checkpoint" in run_cli(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
+    assert "not a readable PyTorch checkpoint" in convert_error(capsys, "--hf-path", folder, "--mlx-path", tmp_path / "out")
 
 
 @pytest.fixture
@@ -158,7 +150,7 @@ def stories_bin_copy(tmp_path, stories_dir):
 def test_truncated_llama2c(tmp_path, stories_bin_copy, capsys):
     path, data = stories_bin_copy
     path.write_bytes(data[:-1000])
-    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
     assert f"is {len(data) - 1000} bytes but its llama2.c header" in err and f"implies {len(data)}" in err
     assert_no_output(tmp_path / "out")
 
@@ -166,14 +158,14 @@ def test_truncated_llama2c(tmp_path, stories_bin_copy, capsys):
 def test_llama2c_bad_header(tmp_path, stories_bin_copy, capsys):
     path, data = stories_bin_copy
     path.write_bytes(np.array([64, 172, 5, 7, 4, 512, 512], dtype="<i4").tobytes() + data[28:])  # 64 % 7 != 0
-    assert "valid llama2.c header" in run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    assert "valid llama2.c header" in convert_error(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
 
 
 def test_llama2c_without_tokenizer(tmp_path, stories_bin_copy, capsys):
     path, data = stories_bin_copy
     path.write_bytes(data)
     (path.parent / "tok512.model").unlink()
-    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
     assert "expected tokenizer.model or tok512.model" in err
 
 
@@ -188,14 +180,14 @@ def stories_gguf(tmp_path, stories_dir, stories_hf):
 def test_truncated_gguf(tmp_path, stories_gguf, capsys):
     data = stories_gguf.read_bytes()
     stories_gguf.write_bytes(data[:-5000])
-    err = run_cli(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
     assert "stories.gguf is not a readable GGUF file: truncated or corrupt" in err
     assert_no_output(tmp_path / "out")
 
 
 def test_corrupt_gguf(tmp_path, stories_gguf, capsys):
     stories_gguf.write_bytes(b"GGUF" + b"\xff" * 200)
-    assert "not a readable GGUF file" in run_cli(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
+    assert "not a readable GGUF file" in convert_error(capsys, "--hf-path", stories_gguf, "--mlx-path", tmp_path / "out")
 
 
 def test_unsupported_gguf_type(tmp_path, capsys):
@@ -211,14 +203,14 @@ def test_unsupported_gguf_type(tmp_path, capsys):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    err = run_cli(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
     assert "token_embd.weight has GGUF type IQ4_NL, which is not supported" in err and "Q4_0" in err
 
 
 def test_unwritable_output(tmp_path, hf_folder, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", blocker / "out")
+    err = convert_error(capsys, "--hf-path", hf_folder, "--mlx-path", blocker / "out")
     assert "cannot write" in err and "a_file" in err
 
 
@@ -234,7 +226,7 @@ def test_disk_full_leaves_nothing(tmp_path, hf_folder, capsys, monkeypatch):
         path.write_bytes(b"x")
 
     monkeypatch.setattr(weights_module, "save_shard", full_disk)
-    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "--max-shard-size", "20KB")
+    err = convert_error(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "--max-shard-size", "20KB")
     assert "no space left on the device" in err and len(calls) == 2
     assert_no_output(tmp_path / "out")
 
@@ -243,19 +235,19 @@ def test_existing_output_needs_overwrite(tmp_path, hf_folder, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert "already exists (pass --overwrite" in run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", out)
+    assert "already exists (pass --overwrite" in convert_error(capsys, "--hf-path", hf_folder, "--mlx-path", out)
     assert (out / "keep.txt").read_text() == "mine"
     assert main(["convert", "--hf-path", str(hf_folder), "--mlx-path", str(out), "--overwrite"]) == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 
 
 def test_quantize_and_dequantize_together(tmp_path, hf_folder, capsys):
-    err = run_cli(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "-q", "--dequantize")
+    err = convert_error(capsys, "--hf-path", hf_folder, "--mlx-path", tmp_path / "out", "-q", "--dequantize")
     assert "either --quantize or --dequantize" in err
 
 
 def test_missing_local_path(tmp_path, capsys):
-    assert "does not exist" in run_cli(capsys, "--hf-path", tmp_path / "nope", "--mlx-path", tmp_path / "out")
+    assert "does not exist" in convert_error(capsys, "--hf-path", tmp_path / "nope", "--mlx-path", tmp_path / "out")
 
 
 def test_offline_hub_repo_via_python_m_convert(tmp_path):
@@ -275,7 +267,7 @@ def test_offline_hub_repo_via_python_m_convert(tmp_path):
 
 
 def test_safetensors_file_instead_of_folder(tmp_path, hf_folder, capsys):
-    err = run_cli(capsys, "--hf-path", hf_folder / "model.safetensors", "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", hf_folder / "model.safetensors", "--mlx-path", tmp_path / "out")
     assert "is a safetensors file: pass the folder" in err
 
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import data_path
+from fixtures.cli_runs import convert_error
 from fixtures.convert_helpers import (
     greedy,
     hf_greedy,
@@ -105,13 +106,11 @@ def test_byte_level_bpe_gguf(arch, pre, tmp_path, bpe, shakespeare):
 
 
 def test_unsupported_gguf_pre_tokenizer(tmp_path, bpe, capsys):
-    from test_convert_errors import run_cli
-
     tokens, _, eot = bpe
     make_hf_model("llama", tmp_path / "hf", vocab_size=len(tokens))
     write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "tekken"))
     capsys.readouterr()  # transformers' progress bars
-    err = run_cli(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
+    err = convert_error(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
     assert "pre-tokenizer 'tekken' is not supported" in err and "llama-bpe" in err
 
 

@@ -12,6 +12,7 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.prompt_cache import TokenCache
 from mlx_tfm.model import Model, ModelArgs
 from mlx_tfm.sample import make_logits_processors, make_sampler
+from fixtures.model_folders import tiny_llama_config, write_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -21,27 +22,6 @@ def stories(stories_hf):
 
 def tokens_of(responses):
     return [r.token for r in responses]
-
-
-def tiny_llama_config(**overrides) -> dict:
-    config = {
-        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }
-    return {**config, **overrides}
-
-
-def write_model_folder(folder, config: dict, tokenizer_files: dict, seed: int = 0):
-    """A Hugging Face layout folder with random weights and the given tokenizer files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
-    for name, source in tokenizer_files.items():
-        (folder / name).write_bytes(source.read_bytes())
-    return folder
 
 
 # -- golden output -----------------------------------------------------------------------

@@ -12,8 +12,8 @@ from mlx_tfm import load
 from mlx_tfm.cli.generate import SHIPPED_MODEL, build_prompt
 from mlx_tfm.generate import generate
 from mlx_tfm.tokenizer import load_tokenizer
-from test_generate import tiny_llama_config, write_model_folder
-from test_tokenizer import byte_level_folder
+from fixtures.model_folders import tiny_llama_config, write_model_folder
+from fixtures.tokenizer_folders import byte_level_folder
 
 
 def mlx_tfm(*args, stdin=None, env=None, timeout=120):

@@ -10,15 +10,9 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.tokenizer import FALLBACK_CHAT_TEMPLATE, load_tokenizer
+from fixtures.tokenizer_folders import byte_level_folder
 
 MIXED_TEXT = "Once upon a time 你好, 世界! Emoji: 🙂🚀 and café — naïve 日本語."
-
-CORPUS = [
-    "Once upon a time there was a little girl named Lily.",
-    "She loved to play outside in the park with her ball.",
-    "你好世界 你好 世界 中文 日本語 🙂 🚀 café naïve",
-] * 20
-
 
 def stream(tokenizer, ids):
     """Feed ids one by one; return the segments read after each token and at the end."""
@@ -38,26 +32,6 @@ def assert_streams_intact(tokenizer, text):
     assert all("\ufffd" not in s for s in segments), segments
     assert "".join(segments) == full == tokenizer.decode(ids) == text
     return ids, segments
-
-
-def byte_level_folder(tmp_path, config: dict | None = None):
-    """A GPT-2 style byte-level BPE tokenizer.json, trained here on a tiny corpus."""
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    folder = tmp_path / "bytelevel"
-    folder.mkdir()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    default = {"eos_token": "<|im_end|>", "bos_token": None}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config if config is not None else default))
-    return folder
 
 
 def metaspace_folder(tmp_path):
