@@ -75,9 +75,15 @@ class Tokenizer:
         """A fresh streaming detokenizer. ``at_start_of_text=False`` continues text that
         is already there (a prompt): SentencePiece's leading space before the first word
         is then kept (" there" after "Once upon a time"), not trimmed as ``decode`` does."""
+        return self._backend.make_detokenizer(self.token_bytes(), at_start_of_text)
+
+    def token_bytes(self) -> list[bytes] | None:
+        """The bytes each token id stands for (b"" for control tokens such as BOS/EOS), as
+        the streaming detokenizer joins them; None for tokenizer.json decoders whose pieces
+        do not map to bytes one by one. Computed once."""
         if self._token_bytes is None:
             self._token_bytes = self._backend.token_bytes()
-        return self._backend.make_detokenizer(self._token_bytes, at_start_of_text)
+        return self._token_bytes
 
     # chat
     @property

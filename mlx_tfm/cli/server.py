@@ -1,0 +1,89 @@
+"""`mlx-tfm server`: serve a model over an OpenAI-compatible HTTP API (flags as
+mlx_lm.server where it has them). Starlette, pydantic and uvicorn are imported in ``run``
+only, so no other command pays for them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prompt cache)."
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def add_arguments(parser) -> None:
+    from .generate import DEFAULT_MODEL
+
+    parser.add_argument("--model", help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
+                        "or the tiny model shipped with mlx-tfm when offline)")
+    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require this key (Authorization: Bearer KEY) on every endpoint but /health")
+    key.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
+    parser.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
+                        help="origins allowed by CORS, comma-separated (default: *)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per answer when a request sets none (default: 512)")
+    parser.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default: 0, greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p (default: 1, off)")
+    parser.add_argument("--top-k", type=int, default=0, help="default top-k (default: 0, off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="default min-p (default: 0, off)")
+    parser.add_argument("--chat-template-args", default="{}",
+                        help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default: 16)")
+    parser.add_argument("--prefill-step-size", type=int, default=512,
+                        help="prompt tokens processed per step between decoding steps (default: 512)")
+    parser.add_argument("--prompt-cache-bytes", default="1GiB",
+                        help="memory for cached prompt prefixes shared across requests, e.g. 512MB (default: 1GiB)")
+    parser.add_argument("--max-kv-size", type=int, help="bound each request's KV cache to this many positions (rotating)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
+
+
+def read_api_key(args) -> str | None:
+    from ..errors import UserError
+
+    if args.api_key_file is None:
+        return args.api_key
+    try:
+        key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --api-key-file {args.api_key_file}: {e}") from None
+    if not key:
+        raise UserError(f"--api-key-file {args.api_key_file} is empty")
+    return key
+
+
+def read_template_args(text: str) -> dict:
+    from ..errors import UserError
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--chat-template-args is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--chat-template-args must be a JSON object, got {text}")
+    return value
+
+
+def settings_from(args):
+    from ..server.settings import ServerSettings, parse_size
+    from .generate import choose_model
+
+    settings = dict(
+        adapter_path=args.adapter_path, host=args.host, port=args.port, api_key=read_api_key(args),
+        allowed_origins=tuple(origin.strip() for origin in args.allowed_origins if origin.strip()),
+        max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        chat_template_args=read_template_args(args.chat_template_args), max_batch=args.max_batch,
+        prefill_step_size=args.prefill_step_size, prompt_cache_bytes=parse_size(args.prompt_cache_bytes),
+        max_kv_size=args.max_kv_size, log_level=args.log_level.lower(),
+    )
+    ServerSettings(model="-", **settings)  # every flag checked before the model is looked for
+    return ServerSettings(model=choose_model(args.model), **settings)
+
+
+def run(args) -> int:
+    from ..server.serve import serve
+
+    return serve(settings_from(args))

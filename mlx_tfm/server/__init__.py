@@ -1,0 +1,22 @@
+"""`mlx-tfm server`: an OpenAI-compatible HTTP API over the batching engine.
+
+Layer 6 (an interface): it imports everything below it and nothing imports it. The HTTP
+side (Starlette, pydantic, uvicorn, imported only by `mlx-tfm server`) never touches MLX:
+one engine thread (``mlx_tfm.batching.Engine``) owns the model, and each HTTP request talks
+to it through ``Engine.submit`` / ``Engine.cancel`` and events handed back to the event loop
+(``engine_client``).
+
+Modules, by job:
+    settings      the server's configuration (from the command line)
+    errors        OpenAI-shaped error bodies and the exception that carries them
+    protocol      pydantic models of the request bodies (chat, legacy completions)
+    prompts       messages -> token ids through the chat template (tools, template kwargs)
+    constrained   response_format and forced tool calls as llguidance logits processors
+    output        the generated text -> content, reasoning_content and tool_calls
+    responses     OpenAI response objects, stream chunks, usage and logprobs
+    engine_client the asyncio side of the engine: submit, events, cancel on disconnect
+    completions   the two completion endpoints, streaming and not
+    metrics       Prometheus text for /metrics
+    app           the Starlette app: routes, API key, CORS, body limit, model loading
+    serve         uvicorn with a clean Ctrl-C / SIGTERM
+"""

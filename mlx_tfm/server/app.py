@@ -1,0 +1,256 @@
+"""The Starlette app: routes, the API key, CORS, the body limit, metrics, and the model
+loaded in the background (``/health`` answers 503 until it is ready)."""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import threading
+import time
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from .completions import Serving, chat_completions, completions
+from .errors import APIError, internal_error
+from .metrics import RequestCounter, prometheus_text
+from .settings import ServerSettings
+
+log = logging.getLogger("mlx_tfm.server")
+
+
+def model_id_of(model: str) -> str:
+    """The id clients name the model by: a folder's name, or the Hugging Face repo id."""
+    path = Path(model)
+    return path.resolve().name if path.exists() else model
+
+
+def load_serving(settings: ServerSettings) -> Serving:
+    """Load the model and start the engine (runs on the loader thread, before any request)."""
+    from ..batching import Engine
+    from ..generate import check_vocabulary
+    from ..loading import load
+    from . import responses
+    from .constrained import grammar_tokenizer
+
+    model, tokenizer = load(settings.model, adapter_path=settings.adapter_path)
+    check_vocabulary(model, tokenizer)
+    engine = Engine(model, tokenizer, max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
+                    prompt_cache_bytes=settings.prompt_cache_bytes, max_kv_size=settings.max_kv_size)
+    engine.start()
+    rotating = settings.max_kv_size is not None and model.args.position_embedding != "learned"
+    return Serving(
+        engine=engine, tokenizer=tokenizer, model_id=model_id_of(settings.model), vocab_size=model.args.vocab_size,
+        context=None if rotating else model.args.max_position_embeddings, settings=settings,
+        grammar_tokenizer=grammar_tokenizer(tokenizer), texts=responses.TokenTexts(tokenizer.token_bytes(), tokenizer.decode),
+    )
+
+
+class ServerState:
+    """The model's life: loading (on a thread of its own), ready, failed, stopped."""
+
+    def __init__(self, settings: ServerSettings, loader=load_serving):
+        self.settings = settings
+        self.model_id = model_id_of(settings.model)
+        self.created = int(time.time())
+        self.serving: Serving | None = None
+        self.load_error: str | None = None
+        self.loaded = threading.Event()  # set when loading ended, ready or failed
+        self._loader = loader
+        self._stopped = False
+
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="mlx-tfm-loader", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self.serving = self._loader(self.settings)
+        except Exception as e:  # reported by `mlx-tfm server` as one line; the traceback is logged
+            log.debug("loading the model failed", exc_info=True)
+            self.load_error = str(e) or type(e).__name__
+        finally:
+            self.loaded.set()
+
+    def ready_serving(self) -> Serving:
+        if self.serving is None or self._stopped:
+            message = "the server is shutting down" if self._stopped else "the model is still loading: retry shortly"
+            raise APIError(503, message, code="model_not_ready")
+        return self.serving
+
+    def stop(self) -> None:
+        """End every running and waiting request (their streams get an error event)."""
+        self._stopped = True
+        if self.serving is not None:
+            self.serving.engine.stop()
+
+
+# -- endpoints ------------------------------------------------------------------------------------
+
+
+def json_error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def endpoint(handler):
+    """Every failure of a handler becomes an OpenAI error body: APIError as it says, any
+    other exception a 500 with one line (the traceback goes to the log)."""
+
+    @functools.wraps(handler)
+    async def run(http: HTTPRequest):
+        try:
+            return await handler(http)
+        except APIError as e:
+            return json_error(e)
+        except Exception:
+            log.exception("%s %s failed", http.method, http.url.path)
+            return json_error(internal_error())
+
+    return run
+
+
+async def read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes (announced or not)."""
+    declared = http.headers.get("content-length")
+    too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def build_app(state: ServerState) -> Starlette:
+    settings = state.settings
+
+    @endpoint
+    async def chat(http: HTTPRequest):
+        body = await read_body(http, settings.max_body_bytes)
+        return await chat_completions(state.ready_serving(), http, body)
+
+    @endpoint
+    async def complete(http: HTTPRequest):
+        body = await read_body(http, settings.max_body_bytes)
+        return await completions(state.ready_serving(), http, body)
+
+    def model_card() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlx-tfm"}
+
+    @endpoint
+    async def list_models(http: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @endpoint
+    async def get_model(http: HTTPRequest):
+        if http.path_params["model"] != state.model_id:
+            raise APIError(404, f"the model {http.path_params['model']!r} does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card())
+
+    @endpoint
+    async def health(http: HTTPRequest):
+        state.ready_serving()
+        return JSONResponse({"status": "ok", "model": state.model_id})
+
+    @endpoint
+    async def metrics(http: HTTPRequest):
+        serving = state.serving
+        engine = serving.engine.metrics() if serving is not None else None
+        return PlainTextResponse(prometheus_text(counter, engine, loading=serving is None),
+                                 media_type="text/plain; version=0.0.4")
+
+    routes = [
+        *[Route(prefix + "/chat/completions", chat, methods=["POST"]) for prefix in ("/v1", "")],
+        *[Route(prefix + "/completions", complete, methods=["POST"]) for prefix in ("/v1", "")],
+        *[Route(prefix + "/models", list_models, methods=["GET"]) for prefix in ("/v1", "")],
+        *[Route(prefix + "/models/{model:path}", get_model, methods=["GET"]) for prefix in ("/v1", "")],
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    counter = RequestCounter({route.path for route in routes})
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"]),
+            Middleware(Guard, api_key=settings.api_key, counter=counter),
+        ],
+        exception_handlers={HTTPException: http_exception, Exception: unexpected_exception},
+        lifespan=lambda app: ModelLifespan(state),
+    )
+
+
+async def http_exception(http: HTTPRequest, exc: HTTPException) -> JSONResponse:
+    """The router's own failures: an unknown path (404), a wrong method (405)."""
+    if exc.status_code == 404:
+        error = APIError(404, f"no such endpoint: {http.method} {http.url.path}", code="not_found")
+    elif exc.status_code == 405:
+        error = APIError(405, f"{http.method} is not allowed on {http.url.path}", code="method_not_allowed",
+                         type="invalid_request_error")
+    else:
+        error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return json_error(error)
+
+
+async def unexpected_exception(http: HTTPRequest, exc: Exception) -> JSONResponse:
+    return json_error(internal_error())
+
+
+class ModelLifespan:
+    """Start loading the model when the server starts; stop the engine when it ends."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __aenter__(self):
+        self.state.start_loading()
+
+    async def __aexit__(self, *exc_info):
+        import asyncio
+
+        await asyncio.to_thread(self.state.stop)
+
+
+class Guard:
+    """Pure ASGI middleware: counts every answer by path and status, and asks for the API
+    key (``Authorization: Bearer KEY``, compared in constant time) on everything but
+    ``/health`` and CORS preflights."""
+
+    def __init__(self, app, api_key: str | None, counter: RequestCounter):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.counter.add(path, message["status"])
+            await send(message)
+
+        if self.api_key is not None and path != "/health" and scope["method"] != "OPTIONS" and not self._authorized(scope):
+            error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                             code="invalid_api_key")
+            return await json_error(error)(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        token = given[7:].strip() if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(token, self.api_key)
+
+
+__all__ = ["build_app", "ServerState", "model_id_of"]

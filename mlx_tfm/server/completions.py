@@ -1,0 +1,353 @@
+"""The two completion endpoints, streaming and not: a request becomes rows of the engine
+(``n`` choices; for legacy completions, ``n`` per prompt), the rows' events become OpenAI's
+objects. A client that disconnects cancels its rows; a failure after the stream started
+ends it with an error event (never a stream that does not end)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..batching import Request, SamplingParams
+from ..tokenizer import Tokenizer
+from . import responses as objects
+from .constrained import make_processor, response_grammar, tool_call_grammar
+from .engine_client import Generation
+from .errors import APIError, internal_error, invalid
+from .output import AnswerParser, Delta, ToolFormat, prompt_opens_thinking, tool_format_of
+from .prompts import chat_prompt, check_prompt, text_prompt
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from .settings import ServerSettings
+
+log = logging.getLogger("mlx_tfm.server")
+
+
+@dataclass
+class Serving:
+    """What the endpoints need once the model is loaded."""
+
+    engine: object
+    tokenizer: Tokenizer
+    model_id: str
+    vocab_size: int  # the model's (ids at or past it are refused)
+    context: int | None  # the longest prompt + answer (None: a rotating cache takes any length)
+    settings: ServerSettings
+    grammar_tokenizer: object  # llguidance's view of the tokenizer (None: no per-token bytes)
+    texts: objects.TokenTexts
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_id:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+
+# -- engine requests ------------------------------------------------------------------------------
+
+
+def sampling_of(request: SamplingFields, settings: ServerSettings, vocab_size: int, row: int) -> SamplingParams:
+    """The row's sampling settings: the request's, else the server's defaults. Row ``i``
+    of a seeded request gets seed + i, so the ``n`` choices differ but repeat."""
+    bias = {int(token): value for token, value in (request.logit_bias or {}).items()}
+    if any(not 0 <= token < vocab_size for token in bias):
+        raise invalid("logit_bias", f"logit_bias names token ids outside the vocabulary of {vocab_size}")
+    return SamplingParams(
+        temp=settings.temp if request.temperature is None else request.temperature,
+        top_p=settings.top_p if request.top_p is None else request.top_p,
+        top_k=settings.top_k if request.top_k is None else request.top_k,
+        min_p=settings.min_p if request.min_p is None else request.min_p,
+        seed=None if request.seed is None else request.seed + row,
+        repetition_penalty=request.repetition_penalty,
+        repetition_context_size=request.repetition_context_size,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=bias or None,
+    )
+
+
+def token_limit(request: SamplingFields, settings: ServerSettings) -> int:
+    return settings.max_tokens if request.token_limit is None else request.token_limit
+
+
+# -- one choice of a chat answer ---------------------------------------------------------------------
+
+
+class ChatChoice:
+    """The answer of one row so far: parsed text, logprobs, and how it finished."""
+
+    def __init__(self, parser: AnswerParser, serving: Serving, logprobs: bool):
+        self.parser = parser
+        self.serving = serving
+        self.answer = Delta()
+        self.logprobs: list[dict] | None = [] if logprobs else None
+        self.finish_reason: str | None = None
+        self.tool_calls_sent = 0
+
+    def add(self, event) -> tuple[Delta, list[dict]]:
+        """What this event adds: the parsed delta and its logprob entries."""
+        delta = self.parser.feed(event.text)
+        if event.finish_reason is not None:
+            delta += self.parser.finish()
+        self.answer += delta
+        entries = []
+        if self.logprobs is not None and event.token is not None and event.logprob is not None \
+                and event.token not in self.serving.tokenizer.eos_token_ids:
+            entries.append(objects.chat_logprob(self.serving.texts, event.token, event.logprob, event.top_logprobs))
+            self.logprobs += entries
+        if event.finish_reason is not None:
+            self.finish_reason = "tool_calls" if self.answer.tool_calls else event.finish_reason
+        return delta, entries
+
+
+class UsageCounter:
+    """Usage of a request: each prompt counted once (its first row), every row's tokens."""
+
+    def __init__(self, rows_per_prompt: int):
+        self.rows_per_prompt = rows_per_prompt
+        self.usage = objects.Usage()
+
+    def add_final(self, row: int, event) -> None:
+        self.usage.completion_tokens += event.generation_tokens
+        if row % self.rows_per_prompt == 0:
+            self.usage.prompt_tokens += event.prompt_tokens
+            self.usage.cached_tokens += event.cached_tokens
+
+
+def failed(event) -> APIError | None:
+    """An engine event that ends a row without an answer."""
+    if event.finish_reason == "error":
+        return APIError(500, event.error or "the generation failed", code="generation_failed")
+    if event.finish_reason == "cancelled":
+        return APIError(500, "the generation was cancelled", code="cancelled")
+    return None
+
+
+# -- chat ------------------------------------------------------------------------------------------------
+
+
+async def chat_completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
+    request = parse_body(body, ChatCompletionRequest)
+    serving.check_model(request.model)
+    prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
+    ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
+    check_prompt(ids, serving.vocab_size, serving.context, "messages")
+
+    offers_tools = bool(request.tools) and request.tool_choice != "none"
+    tool_format = tool_format_of(serving.tokenizer.chat_template) if offers_tools else None
+    grammar, param = chat_grammar(request, tool_format)
+    rows = []
+    for row in range(request.n):
+        processors = (make_processor(serving.grammar_tokenizer, grammar, serving.vocab_size, param),) if grammar else ()
+        rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
+                            sampling=sampling_of(request, serving.settings, serving.vocab_size, row),
+                            stop_strings=request.stop_strings, logprobs=request.logprobs,
+                            top_logprobs=request.top_logprobs or 0, logits_processors=processors))
+    starts_thinking = prompt_opens_thinking(prompt_text)
+    choices = [ChatChoice(AnswerParser(starts_thinking, tool_format), serving, request.logprobs) for _ in rows]
+    generation = Generation(serving.engine, rows)
+    if request.stream:
+        return sse_response(chat_stream(serving, request, generation, choices), generation)
+    return await answer_when_done(http, generation, lambda: chat_events(serving, generation, choices))
+
+
+def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None) -> tuple[str | None, str]:
+    """The grammar the answer must follow, and the field that asked for it."""
+    forced_call = tool_call_grammar(request, tool_format) if tool_format is not None else None
+    if forced_call is not None:
+        if request.response_format is not None and request.response_format.type != "text":
+            raise invalid("response_format", "response_format cannot be combined with a forced tool call")
+        return forced_call, "tool_choice"
+    return response_grammar(request), "response_format"
+
+
+async def chat_events(serving: Serving, generation: Generation, choices: list[ChatChoice]) -> dict:
+    usage = UsageCounter(rows_per_prompt=len(choices))
+    async for row, event in generation.events():
+        error = failed(event)
+        if error is not None:
+            generation.cancel()
+            raise error
+        choices[row].add(event)
+        if event.finish_reason is not None:
+            usage.add_final(row, event)
+    return objects.chat_completion(
+        objects.completion_id("chatcmpl"), serving.model_id, objects.now(),
+        [objects.chat_choice(i, c.answer, c.finish_reason, c.logprobs) for i, c in enumerate(choices)], usage.usage,
+    )
+
+
+async def chat_stream(serving: Serving, request: ChatCompletionRequest, generation: Generation,
+                      choices: list[ChatChoice]) -> AsyncIterator[dict]:
+    response_id, created = objects.completion_id("chatcmpl"), objects.now()
+    usage = UsageCounter(rows_per_prompt=len(choices))
+
+    def chunk(choice: dict) -> dict:
+        return objects.chat_chunk(response_id, serving.model_id, created, [choice], request.include_usage)
+
+    for index in range(len(choices)):
+        yield chunk(objects.chat_chunk_choice(index, {"role": "assistant", "content": ""}))
+    async for row, event in generation.events():
+        error = failed(event)
+        if error is not None:
+            generation.cancel()
+            raise error
+        choice = choices[row]
+        delta, logprobs = choice.add(event)
+        body = objects.chat_delta(delta, choice.tool_calls_sent)
+        choice.tool_calls_sent += len(delta.tool_calls)
+        if body or logprobs:
+            yield chunk(objects.chat_chunk_choice(row, body, None, logprobs))
+        if event.finish_reason is not None:
+            usage.add_final(row, event)
+            yield chunk(objects.chat_chunk_choice(row, {}, choice.finish_reason))
+    if request.include_usage:
+        yield objects.usage_chunk(response_id, serving.model_id, created, "chat.completion.chunk", usage.usage)
+
+
+# -- legacy completions ---------------------------------------------------------------------------------
+
+
+class TextChoice:
+    def __init__(self, echo: str, logprobs: bool):
+        self.text = echo
+        self.logprobs = objects.LegacyLogprobs() if logprobs else None
+        self.finish_reason: str | None = None
+
+    def add(self, serving: Serving, event) -> objects.LegacyLogprobs | None:
+        """Add the event's text; return its logprobs (for a stream chunk)."""
+        added = None
+        if self.logprobs is not None and event.token is not None and event.logprob is not None \
+                and event.token not in serving.tokenizer.eos_token_ids:
+            added = objects.LegacyLogprobs()
+            added.add(serving.texts, event.token, event.logprob, event.top_logprobs, len(self.text))
+            self.logprobs.add(serving.texts, event.token, event.logprob, event.top_logprobs, len(self.text))
+        self.text += event.text
+        self.finish_reason = event.finish_reason
+        return added
+
+
+async def completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
+    request = parse_body(body, CompletionRequest)
+    serving.check_model(request.model)
+    prompts = request.prompts()
+    rows, echoes = [], []
+    for p, prompt in enumerate(prompts):
+        ids = text_prompt(serving.tokenizer, prompt)
+        check_prompt(ids, serving.vocab_size, serving.context, "prompt" if len(prompts) == 1 else f"prompt.{p}")
+        echo = (prompt if isinstance(prompt, str) else serving.tokenizer.decode(prompt)) if request.echo else ""
+        for i in range(request.n):
+            rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
+                                sampling=sampling_of(request, serving.settings, serving.vocab_size, i),
+                                stop_strings=request.stop_strings, logprobs=request.logprobs is not None,
+                                top_logprobs=request.logprobs or 0))
+            echoes.append(echo)
+    choices = [TextChoice(echo, request.logprobs is not None) for echo in echoes]
+    generation = Generation(serving.engine, rows)
+    if request.stream:
+        return sse_response(text_stream(serving, request, generation, choices), generation)
+    return await answer_when_done(http, generation, lambda: text_events(serving, request, generation, choices))
+
+
+async def text_events(serving: Serving, request: CompletionRequest, generation: Generation,
+                      choices: list[TextChoice]) -> dict:
+    usage = UsageCounter(rows_per_prompt=request.n)
+    async for row, event in generation.events():
+        error = failed(event)
+        if error is not None:
+            generation.cancel()
+            raise error
+        choices[row].add(serving, event)
+        if event.finish_reason is not None:
+            usage.add_final(row, event)
+    return objects.text_completion(
+        objects.completion_id("cmpl"), serving.model_id, objects.now(),
+        [objects.text_choice(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(choices)], usage.usage,
+    )
+
+
+async def text_stream(serving: Serving, request: CompletionRequest, generation: Generation,
+                      choices: list[TextChoice]) -> AsyncIterator[dict]:
+    response_id, created = objects.completion_id("cmpl"), objects.now()
+    usage = UsageCounter(rows_per_prompt=request.n)
+
+    def chunk(index: int, text: str, finish_reason: str | None, logprobs) -> dict:
+        body = objects.text_completion(response_id, serving.model_id, created,
+                                       [objects.text_choice(index, text, finish_reason, logprobs)], None)
+        return {**body, "usage": None} if request.include_usage else body
+
+    for index, choice in enumerate(choices):
+        if choice.text:  # the echoed prompt
+            yield chunk(index, choice.text, None, None)
+    async for row, event in generation.events():
+        error = failed(event)
+        if error is not None:
+            generation.cancel()
+            raise error
+        logprobs = choices[row].add(serving, event)
+        if event.text or logprobs is not None or event.finish_reason is not None:
+            yield chunk(row, event.text, event.finish_reason, logprobs)
+        if event.finish_reason is not None:
+            usage.add_final(row, event)
+    if request.include_usage:
+        yield objects.usage_chunk(response_id, serving.model_id, created, "text_completion", usage.usage)
+
+
+# -- delivery ---------------------------------------------------------------------------------------------
+
+
+async def answer_when_done(http: HTTPRequest, generation: Generation, collect: Callable) -> Response:
+    """Wait for the whole answer, or for the client to leave (then its rows are cancelled)."""
+    answer = asyncio.ensure_future(collect())
+    left = asyncio.ensure_future(wait_for_disconnect(http))
+    try:
+        await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not answer.done():
+            answer.cancel()
+            generation.cancel()
+    if not answer.done() or answer.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    return JSONResponse(answer.result())
+
+
+async def wait_for_disconnect(http: HTTPRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse_response(chunks: AsyncIterator[dict], generation: Generation) -> StreamingResponse:
+    return StreamingResponse(server_sent_events(chunks, generation), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def server_sent_events(chunks: AsyncIterator[dict], generation: Generation) -> AsyncIterator[bytes]:
+    """``data: {json}`` events, then ``data: [DONE]``; a failure becomes an error event
+    that ends the stream (the openai client raises it). A client that leaves cancels the
+    stream (Starlette cancels this generator): its rows are cancelled too."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except APIError as e:
+        log.warning("stream ended with an error: %s", e.message)
+        yield sse(e.body())
+        return
+    except Exception:  # the traceback to the log, one line to the client
+        log.exception("a streamed completion failed")
+        yield sse(internal_error().body())
+        return
+    finally:
+        generation.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+__all__ = ["Serving", "chat_completions", "completions"]

@@ -1,0 +1,262 @@
+"""The request bodies, as pydantic v2 models: what OpenAI's API accepts for chat and
+legacy completions, plus the sampling extensions local servers share (top_k, min_p,
+repetition_penalty, chat_template_kwargs). Unknown fields are ignored, as OpenAI's clients
+send some (user, store, metadata) that change nothing here. A value out of range is a 400
+that names the field (``parse_body``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import APIError, invalid
+from .settings import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- chat messages ------------------------------------------------------------------------
+
+
+class TextPart(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str = "{}"  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this answers
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+# -- tools and structured output ---------------------------------------------------------------
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Lenient):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a schema")
+        return self
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+# -- the shared sampling fields -------------------------------------------------------------------
+
+
+class SamplingFields(Lenient):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_context_size: int = Field(default=20, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop string is empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in -100..100, got {bias} for token {key}")
+        return value
+
+    def check_fields(self) -> None:
+        """Checks across fields (none here; the subclasses add theirs)."""
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_fields(self) -> None:
+        """Checks across fields, each a 400 naming its field."""
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        names = [tool.function.name for tool in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise invalid("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise invalid("tool_choice", "tool_choice 'required' needs tools")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # legacy: how many alternatives
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, list) and (not value or any(isinstance(p, (list, str)) and len(p) == 0 for p in value)):
+            raise ValueError("the prompt is empty")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix (insertion) is not supported")
+        return value
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request holds: texts or token id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+# -- parsing a body -------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes, model_type: type[BaseModel]):
+    """The request model of a JSON body, or a 400 naming the field that is wrong."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        request = model_type.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    request.check_fields()
+    return request
+
+
+def validation_error(error: ValidationError) -> APIError:
+    """The most telling problem pydantic found, as a 400 that names the field
+    ("messages.0.role"): of the branches of a union, the one that got furthest in."""
+    first = max(error.errors(include_url=False), key=_specificity)
+    location = [str(part) for part in first["loc"] if not _is_union_branch(part)]
+    param = ".".join(location) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = "this field is required"
+    elif first["type"] == "literal_error" and "input" in first:
+        message = f"{message} (got {json.dumps(first['input'])[:80]})"
+    return invalid(param or "body", f"{param}: {message}" if param else message)
+
+
+def _specificity(error: dict) -> tuple[int, int]:
+    """Errors deeper in the body first; a wrong value before a wrong type."""
+    return len([p for p in error["loc"] if not _is_union_branch(p)]), not error["type"].endswith("_type")
+
+
+def _is_union_branch(part) -> bool:
+    """pydantic names the union member it tried ("str", "list[TextPart]", "function-after[...]")."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict",
+                                                               "NamedToolChoice", "TextPart"})

@@ -1,0 +1,73 @@
+"""Run the app with uvicorn. Prints the URL once the model is ready (what scripts wait
+for); Ctrl-C or SIGTERM stops it cleanly: running streams end with an error event, the
+connections close, and `mlx-tfm server` exits with status 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+
+import uvicorn
+
+from ..errors import UserError
+from .app import ServerState, build_app
+from .settings import ServerSettings
+
+READY_LINE = "mlx-tfm server: ready at {url} (model {model})"  # scripts wait for "ready at"
+SHUTDOWN_GRACE_SECONDS = 10  # running streams get this long to end after Ctrl-C
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn, except that a signal first stops the engine (so streams end at once with
+    an error event rather than being waited for), and the signal is not raised again
+    after the shutdown (the exit status stays 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second Ctrl-C: do not wait any more
+        self.should_exit = True
+        threading.Thread(target=self.state.stop, name="mlx-tfm-stop", daemon=True).start()
+
+    def url(self) -> str:
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
+
+
+def serve(settings: ServerSettings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(settings)
+    config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, access_log=settings.log_level == "debug")
+    server = StoppingServer(config, state)
+    asyncio.run(run_until_stopped(server, state))
+    if state.load_error is not None:
+        raise UserError(f"could not load the model {settings.model}: {state.load_error}")
+    if not server.started:
+        raise UserError(f"could not listen on {settings.host}:{settings.port} (in use, or not an address of this machine?)")
+    return 0
+
+
+async def run_until_stopped(server: StoppingServer, state: ServerState) -> None:
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        print(f"mlx-tfm server: listening at {server.url()}, loading {state.settings.model}", file=sys.stderr, flush=True)
+        await asyncio.to_thread(wait_loaded, state, serving)
+        if state.load_error is not None:
+            server.should_exit = True
+        elif not serving.done():
+            print(READY_LINE.format(url=server.url() + "/v1", model=state.model_id), flush=True)
+    await serving
+
+
+def wait_loaded(state: ServerState, serving: asyncio.Future) -> None:
+    while not state.loaded.wait(0.1) and not serving.done():
+        pass
