@@ -1,0 +1,198 @@
+"""``BatchKVCache``: one layer's keys and values for B rows that sit at different positions,
+so that one forward pass serves requests that started at different times.
+
+Rows are right-aligned: slot ``used - 1`` holds every row's newest position, and row b's
+data fills slots ``[starts[b], used)``; the slots before ``starts[b]`` belong to no
+position of that row and are masked out. ``offset`` (B,) is each row's next position,
+which RoPE and learned or sinusoidal positions read per row. Because the rows end
+together, "the last ``window`` positions" are the same slots for every row: a sliding
+window (or ``--max-kv-size``) is one bound on the slots kept, and memory stays bounded.
+
+A chunk of L new tokens per row is appended to every row at once (decoding: L = 1);
+rows join with ``extend`` and leave with ``select``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import RotatingKVCache
+
+
+class BatchKVCache:
+    step = 256
+
+    def __init__(self, window: int | None = None):
+        self.window = window  # attend to (and keep) only the last `window` positions
+        self.keys: mx.array | None = None  # (B, n_kv_heads, capacity, head_dim)
+        self.values: mx.array | None = None
+        self.used = 0
+        self.starts: list[int] = []
+        self.offset = mx.zeros((0,), mx.int32)  # (B,)
+
+    @classmethod
+    def for_row(cls, keys: mx.array | None, values: mx.array | None, offset: int,
+                window: int | None) -> "BatchKVCache":
+        """One row at position ``offset`` whose cache holds ``keys``/``values`` (1,
+        n_kv_heads, n, head_dim): its last n positions, or nothing (None)."""
+        cache = cls(window)
+        cache.starts = [0]
+        cache.offset = mx.array([offset], mx.int32)
+        if keys is not None and keys.shape[2] > 0:
+            cache.keys, cache.values, cache.used = keys, values, keys.shape[2]
+        return cache
+
+    @property
+    def size(self) -> int:
+        """Rows in the batch."""
+        return len(self.starts)
+
+    def row_length(self, row: int) -> int:
+        """How many positions row ``row`` holds (fewer than its offset once a window drops
+        old ones)."""
+        return self.used - self.starts[row]
+
+    # -- the cache protocol the model calls ------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``(B, n_kv_heads, L, head_dim)`` to every row; return all slots in use."""
+        length = keys.shape[2]
+        if self.keys is None or self.used + length > self.keys.shape[2]:
+            self._grow(keys, values, length)
+        self.keys[..., self.used : self.used + length, :] = keys
+        self.values[..., self.used : self.used + length, :] = values
+        self.used += length
+        self.offset = self.offset + length
+        return self.keys[..., : self.used, :], self.values[..., : self.used, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, length: int) -> None:
+        if self.window is not None:
+            self._drop_before(self.used - (self.window - 1))  # what no new query can see
+        B, n_kv_heads, _, k_head_dim = keys.shape
+        n_new = -(-length // self.step) * self.step
+        new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
+        new_values = mx.zeros((B, n_kv_heads, n_new, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+        else:
+            self.keys = mx.concatenate([self.keys[..., : self.used, :], new_keys], axis=2)
+            self.values = mx.concatenate([self.values[..., : self.used, :], new_values], axis=2)
+
+    def _drop_before(self, slot: int) -> None:
+        if slot <= 0 or self.keys is None:
+            return
+        self.keys, self.values = self.keys[..., slot : self.used, :], self.values[..., slot : self.used, :]
+        self.used -= slot
+        self.starts = [max(0, start - slot) for start in self.starts]
+
+    def make_mask(self, length: int, window: int | None = None):
+        """Mask for ``length`` new queries per row: causal, within the window, and never
+        on a row's empty slots. (B, 1, L, S) when rows differ; None or "causal" when not."""
+        windows = [w for w in (window, self.window) if w is not None]
+        window = min(windows) if windows else None
+        total = self.used + length
+        aligned = not any(self.starts)
+        if aligned and (window is None or total <= window):
+            return "causal" if length > 1 else None
+        queries = mx.arange(self.used, total)[:, None]  # (L, 1) slots of the new tokens
+        slots = mx.arange(total)[None]  # (1, S)
+        visible = slots <= queries
+        if window is not None:
+            visible = visible & (queries - slots < window)
+        if aligned:
+            return visible
+        starts = mx.array(self.starts)[:, None, None]  # (B, 1, 1)
+        return (visible[None] & (slots[None] >= starts))[:, None]  # (B, 1, L, S)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- rows joining and leaving ------------------------------------------------------------
+    def select(self, rows: list[int]) -> "BatchKVCache":
+        """A new cache of the given rows (in that order), without the slots none of them uses."""
+        chosen = BatchKVCache(self.window)
+        if not rows:
+            return chosen
+        index = mx.array(rows)
+        chosen.offset = self.offset[index]
+        starts = [self.starts[i] for i in rows]
+        if self.keys is None:
+            chosen.starts = starts
+            return chosen
+        shift = min(starts)
+        chosen.keys = self.keys[index, :, shift:]  # (len(rows), n_kv_heads, capacity - shift, head_dim)
+        chosen.values = self.values[index, :, shift:]
+        chosen.used = self.used - shift
+        chosen.starts = [start - shift for start in starts]
+        return chosen
+
+    def extend(self, other: "BatchKVCache") -> None:
+        """Append ``other``'s rows after these, right-aligning the two."""
+        if other.size == 0:
+            return
+        if self.size == 0:
+            self.keys, self.values, self.used = other.keys, other.values, other.used
+            self.starts, self.offset = list(other.starts), other.offset
+            return
+        used = max(self.used, other.used)
+        self.starts = [s + used - self.used for s in self.starts] + [s + used - other.used for s in other.starts]
+        self.offset = mx.concatenate([self.offset, other.offset])
+        template = self.keys if self.keys is not None else other.keys
+        if template is not None:
+            capacity = used + self.step
+            mine, theirs = self._aligned(used, capacity, template), other._aligned(used, capacity, template)
+            self.keys = mx.concatenate([mine[0], theirs[0]])
+            self.values = mx.concatenate([mine[1], theirs[1]])
+        self.used = used
+
+    def _aligned(self, used: int, capacity: int, template: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values with ``used`` slots in use (ours ending at its end) and
+        ``capacity`` slots in all."""
+        if self.keys is None:
+            B, n_kv_heads, _, head_dim = template.shape
+            empty = mx.zeros((self.size, n_kv_heads, capacity, head_dim), template.dtype)
+            return empty, empty
+        before, after = used - self.used, capacity - used
+        pad = [(0, 0), (0, 0), (before, after), (0, 0)]
+        return (mx.pad(self.keys[..., : self.used, :], pad), mx.pad(self.values[..., : self.used, :], pad))
+
+    def row_state(self, row: int) -> tuple[mx.array, mx.array]:
+        """Row ``row``'s keys and values (1, n_kv_heads, n, head_dim), in their own memory."""
+        start = self.starts[row]
+        return (mx.contiguous(self.keys[row : row + 1, :, start : self.used]),
+                mx.contiguous(self.values[row : row + 1, :, start : self.used]))
+
+
+def layer_windows(model, max_kv_size: int | None) -> list[int | None]:
+    """Per layer, how many positions it attends to (None: all), as ``model.make_cache``
+    bounds them: a sliding window, ``max_kv_size``, or the smaller of the two."""
+    windows = []
+    for layer_cache in model.make_cache(max_kv_size=max_kv_size):
+        if isinstance(layer_cache, RotatingKVCache):
+            if layer_cache.keep:
+                raise ValueError("a batched cache cannot keep the first positions of a rotating cache")
+            windows.append(layer_cache.max_size)
+        else:
+            windows.append(None)
+    return windows
+
+
+def empty_batch(windows: list[int | None]) -> list[BatchKVCache]:
+    return [BatchKVCache(window) for window in windows]
+
+
+def single_row_caches(model, max_kv_size: int | None, states: list[tuple[mx.array, mx.array]],
+                      length: int) -> list:
+    """``model.make_cache`` layers holding one row's ``states`` (every layer its full
+    history of ``length`` positions), for the shared prompt cache."""
+    layers = model.make_cache(max_kv_size=max_kv_size)
+    for layer, (keys, values) in zip(layers, states):
+        if keys.shape[2] != length:
+            raise ValueError(f"a layer holds {keys.shape[2]} of the {length} positions")
+        if length:
+            layer.reserve(length)
+            layer.update_and_fetch(keys, values)
+    return layers
+
+
+__all__ = ["BatchKVCache", "layer_windows", "empty_batch", "single_row_caches"]
