@@ -18,6 +18,7 @@ from .generate import generate, stream_generate  # noqa: E402
 # The rest of the public API, imported lazily so `import mlx_tfm` stays cheap.
 _LAZY = {
     "load": ("mlx_tfm.loading", "load"),
+    "batch_generate": ("mlx_tfm.batching", "batch_generate"),
     "Model": ("mlx_tfm.model", "Model"),
     "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
 }

@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from .attention import attention
 from .cache import KVCache, RotatingKVCache, window_mask
-from .positions import SinusoidalPositions, make_rope
+from .positions import SinusoidalPositions, make_rope, position_ids
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class TransformerModel(nn.Module):
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         offset = cache[0].offset if cache is not None else 0
         if self.args.position_embedding == "learned":
-            h = h + self.embed_positions(mx.arange(offset, offset + L))
+            h = h + self.embed_positions(position_ids(offset, L))  # offset: int, or (B,) per row
         elif self.args.position_embedding == "sinusoidal":
             h = h + self.sinusoidal(offset, L).astype(h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)

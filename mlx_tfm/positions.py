@@ -131,8 +131,17 @@ class SinusoidalPositions(nn.Module):
         self.dims = dims
         self._inv_freq = mx.array(1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)), dtype=mx.float32)
 
-    def __call__(self, offset: int, length: int) -> mx.array:
-        positions = mx.arange(offset, offset + length, dtype=mx.float32)
-        angles = positions[:, None] * self._inv_freq[None, :]  # (L, D/2)
-        # interleave sin and cos: (L, D/2, 2) -> (L, D)
-        return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(length, self.dims)
+    def __call__(self, offset: int | mx.array, length: int) -> mx.array:
+        """(L, D) after a scalar ``offset``; (B, L, D) after one offset per row (B,)."""
+        positions = position_ids(offset, length).astype(mx.float32)  # (L,) or (B, L)
+        angles = positions[..., None] * self._inv_freq  # (..., L, D/2)
+        # interleave sin and cos: (..., L, D/2, 2) -> (..., L, D)
+        return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(*positions.shape, self.dims)
+
+
+def position_ids(offset: int | mx.array, length: int) -> mx.array:
+    """The positions of ``length`` new tokens: (L,) after a scalar offset, or (B, L) after
+    the per-row offsets (B,) of a batched cache, whose rows sit at different positions."""
+    if isinstance(offset, mx.array):
+        return offset[:, None] + mx.arange(length)
+    return mx.arange(offset, offset + length)

@@ -112,6 +112,21 @@ def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsPro
     return repetition_penalty
 
 
+def make_presence_frequency_penalty(presence: float, frequency: float, prompt_length: int) -> LogitsProcessor:
+    """OpenAI's penalties on the tokens generated so far (the context after the first
+    ``prompt_length`` tokens): ``logit -= presence * (count > 0) + frequency * count``."""
+
+    def presence_frequency_penalty(tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens.reshape(-1)[prompt_length:]
+        if generated.size == 0:
+            return logits
+        counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)  # (V,)
+        penalty = presence * (counts > 0) + frequency * counts
+        return logits - penalty.astype(logits.dtype)
+
+    return presence_frequency_penalty
+
+
 def make_logit_bias(logit_bias: dict[int, float]) -> LogitsProcessor:
     """Add a fixed bias to chosen tokens' logits (-inf bans a token)."""
     ids = mx.array(list(logit_bias.keys()), dtype=mx.int32)
@@ -134,4 +149,4 @@ def make_logits_processors(repetition_penalty: float | None = None, repetition_c
     return processors
 
 
-__all__ = ["make_sampler", "make_logits_processors", "apply_top_k", "apply_top_p", "apply_min_p", "greedy"]
+__all__ = ["make_sampler", "make_logits_processors", "make_presence_frequency_penalty", "apply_top_k", "apply_top_p", "apply_min_p", "greedy"]
