@@ -83,7 +83,16 @@ def settings_from(args):
     return ServerSettings(model=choose_model(args.model), **settings)
 
 
-def run(args) -> int:
-    from ..server.serve import serve
+SERVER_PACKAGES = ("starlette", "uvicorn", "pydantic", "llguidance")
 
+
+def run(args) -> int:
+    from ..errors import UserError
+
+    try:
+        from ..server.serve import serve
+    except ModuleNotFoundError as e:
+        if e.name not in SERVER_PACKAGES:
+            raise
+        raise UserError(f"mlx-tfm server needs the package {e.name}: pip install 'mlx-tfm[server]'") from None
     return serve(settings_from(args))
