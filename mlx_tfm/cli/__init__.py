@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "train": "mlx_tfm.cli.train",
     "lora": "mlx_tfm.cli.lora",
     "fuse": "mlx_tfm.cli.fuse",
+    "inspect": "mlx_tfm.cli.inspect",
     "server": "mlx_tfm.cli.server",
 }
 
