@@ -135,23 +135,22 @@ class BatchKVCache:
             self.starts, self.offset = list(other.starts), other.offset
             return
         used = max(self.used, other.used)
-        self.starts = [s + used - self.used for s in self.starts] + [s + used - other.used for s in other.starts]
-        self.offset = mx.concatenate([self.offset, other.offset])
-        template = self.keys if self.keys is not None else other.keys
-        if template is not None:
+        template = (self.keys, self.values) if self.keys is not None else (other.keys, other.values)
+        if template[0] is not None:
             capacity = used + self.step
-            mine, theirs = self._aligned(used, capacity, template), other._aligned(used, capacity, template)
+            mine, theirs = self._aligned(used, capacity, *template), other._aligned(used, capacity, *template)
             self.keys = mx.concatenate([mine[0], theirs[0]])
             self.values = mx.concatenate([mine[1], theirs[1]])
+        self.starts = [s + used - self.used for s in self.starts] + [s + used - other.used for s in other.starts]
+        self.offset = mx.concatenate([self.offset, other.offset])
         self.used = used
 
-    def _aligned(self, used: int, capacity: int, template: mx.array) -> tuple[mx.array, mx.array]:
+    def _aligned(self, used: int, capacity: int, keys_like: mx.array, values_like: mx.array):
         """Keys and values with ``used`` slots in use (ours ending at its end) and
-        ``capacity`` slots in all."""
+        ``capacity`` slots in all; zeros shaped like the templates when we hold none."""
         if self.keys is None:
-            B, n_kv_heads, _, head_dim = template.shape
-            empty = mx.zeros((self.size, n_kv_heads, capacity, head_dim), template.dtype)
-            return empty, empty
+            return tuple(mx.zeros((self.size, like.shape[1], capacity, like.shape[3]), like.dtype)
+                         for like in (keys_like, values_like))
         before, after = used - self.used, capacity - used
         pad = [(0, 0), (0, 0), (before, after), (0, 0)]
         return (mx.pad(self.keys[..., : self.used, :], pad), mx.pad(self.values[..., : self.used, :], pad))
