@@ -76,6 +76,7 @@ class ModelArgs:
         n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
         values.setdefault("num_key_value_heads", n_heads)
         values["num_key_value_heads"] = values["num_key_value_heads"] or n_heads
+        check_head_counts(n_heads, values["num_key_value_heads"], hidden, values.get("head_dim"))
         values["head_dim"] = values.get("head_dim") or hidden // n_heads
         values["attention_scale"] = values.get("attention_scale") or values["head_dim"] ** -0.5
         window = values.get("sliding_window")
@@ -89,6 +90,21 @@ class ModelArgs:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         return d
+
+
+def check_head_counts(n_heads: int, n_kv_heads: int, hidden_size: int, head_dim: int | None) -> None:
+    """ValueError naming the numbers when the attention heads cannot be laid out: each KV
+    head serves a whole group of query heads, and without an explicit head_dim the heads
+    split hidden_size evenly."""
+    for name, count in (("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads)):
+        if count < 1:
+            raise ValueError(f"{name} must be at least 1, not {count}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})")
+    if not head_dim and hidden_size % n_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({n_heads}) and there is no head_dim"
+        )
 
 
 # -- building blocks ---------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_parameter_count_reproduces_the_seed():
 
 def test_swiglu_with_8_3_d_matches_the_classic_ffn_budget():
     d = 512
-    swiglu = MLP(ModelArgs.from_dict({**BASE, "hidden_size": d, "intermediate_size": 8 * d // 3}))
+    swiglu = MLP(ModelArgs.from_dict({**BASE, "hidden_size": d, "num_attention_heads": 8, "intermediate_size": 8 * d // 3}))
     assert abs(count_parameters(swiglu) - 8 * d * d) / (8 * d * d) < 0.01
 
 
