@@ -32,6 +32,7 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
+    "relu2": "relu2",
 }
 
 
@@ -43,7 +44,25 @@ def activation(name: str) -> str:
 
 def rope_settings(config: dict) -> dict:
     """rope_theta, rope_scaling and partial_rotary_factor from either the classic keys or
-    transformers 5's ``rope_parameters`` (which holds all of them)."""
+    transformers 5's ``rope_parameters`` (which holds all of them, or one set per layer type:
+    then the full-attention layers' set is the model's and the sliding layers' set gives
+    ``rope_local_theta``)."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return {**flat_rope_settings({**config, "rope_parameters": params["full_attention"]}),
+                **local_rope_settings(params.get("sliding_attention"))}
+    return flat_rope_settings(config)
+
+
+def local_rope_settings(params: dict | None) -> dict:
+    if not params:
+        return {}
+    if params.get("rope_type", "default") != "default":
+        raise UserError(f"sliding-window layers with {params['rope_type']!r} RoPE scaling are not supported")
+    return {"rope_local_theta": params["rope_theta"]}
+
+
+def flat_rope_settings(config: dict) -> dict:
     params = dict(config.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
     partial = params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor", 1.0)
@@ -107,6 +126,194 @@ def gemma2_args(config: dict) -> dict:
         "sliding_window": config.get("sliding_window"),
         "layer_types": config.get("layer_types") or alternating,
     }
+
+
+def gemma3_text_args(config: dict) -> dict:
+    """Gemma 3: Gemma 2's sandwich norms and pre-attention scalar, q/k norm, and local
+    (sliding) layers rotating with their own base. Hub configs leave out keys that equal
+    transformers' defaults, so those are filled in first."""
+    config = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    if config.get("use_bidirectional_attention"):
+        raise UserError("gemma3 with use_bidirectional_attention (an embedding model) is not supported")
+    pattern, n_layers = config["sliding_window_pattern"], config["num_hidden_layers"]
+    every_nth_full = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    args = gemma2_args({**config, "layer_types": config.get("layer_types") or every_nth_full})
+    return {"rope_local_theta": config["rope_local_base_freq"], **args, "qk_norm": True}
+
+
+# transformers' Gemma3TextConfig defaults (hub configs rely on them, text_config above all).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+
+
+def gemma3_args(config: dict) -> dict:
+    """The language model of a Gemma 3 image-text checkpoint (its ``text_config``)."""
+    text = config.get("text_config") or {}
+    return {**gemma3_text_args(text), "model_type": config["model_type"]}
+
+
+def olmo2_args(config: dict) -> dict:
+    # Norms after each sublayer only; q/k norm over the whole projection; o_proj has the bias too.
+    return {**llama_args(config), "norm_placement": "post_sublayer", "qk_norm": True, "qk_norm_scope": "projection"}
+
+
+def olmo3_args(config: dict) -> dict:
+    """OLMo 2 with sliding-window layers (three in four), which rotate unscaled."""
+    n_layers = config["num_hidden_layers"]
+    three_in_four = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
+    args = olmo2_args(config)
+    return {
+        **args,
+        "rope_local_theta": args.get("rope_local_theta", args["rope_theta"]),
+        "sliding_window": config.get("sliding_window", 4096),
+        "layer_types": config.get("layer_types") or three_in_four,
+    }
+
+
+def exaone4_args(config: dict) -> dict:
+    """Norms after each sublayer, q/k norm per head; with a sliding window only the sliding
+    layers rotate (the global ones use no positions)."""
+    n_layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    layer_types = config.get("layer_types") or exaone4_layer_types(config.get("sliding_window_pattern"), n_layers, window)
+    return {
+        **llama_args(config),
+        "norm_placement": "post_sublayer",
+        "qk_norm": True,
+        "sliding_window": window,
+        "layer_types": layer_types,
+        "rope_layers": [t == "sliding_attention" for t in layer_types] if window else [],
+    }
+
+
+def exaone4_layer_types(pattern, n_layers: int, window: int | None) -> list[str]:
+    if not window:
+        return ["full_attention"] * n_layers
+    if isinstance(pattern, str):  # e.g. "LLLG", repeated from layer 0
+        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n_layers)]
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+
+
+def starcoder2_args(config: dict) -> dict:
+    bias = config.get("use_bias", True)
+    return {
+        **config,
+        **rope_settings(config),
+        "norm_type": "layernorm",
+        "norm_eps": config.get("norm_epsilon", 1e-5),
+        "hidden_act": activation(config.get("hidden_act", "gelu_pytorch_tanh")),
+        "ffn_gated": False,
+        "mlp_bias": bias,
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+def granite_args(config: dict) -> dict:
+    return {
+        **llama_args(config),
+        "embedding_scale": config.get("embedding_multiplier", 1.0),
+        "residual_scale": config.get("residual_multiplier", 1.0),
+        "attention_scale": config.get("attention_multiplier", 1.0),
+        "logit_scale": 1.0 / config.get("logits_scaling", 1.0),
+    }
+
+
+def smollm3_args(config: dict) -> dict:
+    """Llama with every ``no_rope_layer_interval``-th layer unrotated; HF's ``no_rope_layers``
+    holds 1 for the layers that *do* rotate."""
+    n_layers, interval = config["num_hidden_layers"], config.get("no_rope_layer_interval", 4)
+    rotates = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    sliding = {"sliding_window": None, "layer_types": None}
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        default = ["full_attention" if r else "sliding_attention" for r in rotates]
+        sliding = {"sliding_window": config["sliding_window"], "layer_types": config.get("layer_types") or default}
+    return {**llama_args(config), "rope_layers": rotates, **sliding, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+
+
+def phi_args(config: dict) -> dict:
+    """Phi-1/1.5/2: LayerNorm, attention and MLP side by side on one norm, partial rotary,
+    biases everywhere, the head included."""
+    if config.get("qk_layernorm"):
+        raise UserError("phi with qk_layernorm is not supported")
+    return {
+        **config,
+        **rope_settings(config),
+        "norm_type": "layernorm",
+        "norm_eps": config.get("layer_norm_eps", 1e-5),
+        "norm_placement": "parallel",
+        "hidden_act": activation(config.get("hidden_act", "gelu_new")),
+        "ffn_gated": False,
+        "mlp_bias": True,
+        "attention_bias": True,
+        "attention_out_bias": True,
+        "lm_head_bias": True,
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+def cohere_args(config: dict) -> dict:
+    """Command-R: LayerNorm without bias, parallel attention and MLP, interleaved RoPE,
+    scaled logits."""
+    if config.get("use_qk_norm"):
+        raise UserError("cohere with use_qk_norm is not supported")
+    return {
+        **llama_args(config),
+        "norm_type": "layernorm",
+        "norm_bias": False,
+        "norm_eps": config.get("layer_norm_eps", 1e-5),
+        "norm_placement": "parallel",
+        "rope_traditional": True,
+        "logit_scale": config.get("logit_scale", 0.0625),
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+def stablelm_args(config: dict) -> dict:
+    if config.get("qk_layernorm"):
+        raise UserError("stablelm with qk_layernorm is not supported")
+    return {
+        **llama_args(config),
+        "norm_type": "layernorm",
+        "norm_eps": config.get("layer_norm_eps", 1e-5),
+        "norm_placement": "parallel" if config.get("use_parallel_residual") else "pre",
+        "attention_bias": config.get("use_qkv_bias", False),
+        "attention_out_bias": False,
+    }
+
+
+def helium_args(config: dict) -> dict:
+    # q/k/v carry attention_bias, o_proj never; RoPE over adjacent pairs.
+    return {**llama_args(config), "attention_out_bias": False, "rope_traditional": True}
+
+
+def seed_oss_args(config: dict) -> dict:
+    return {
+        **llama_args(config),
+        "attention_bias": config.get("attention_bias", True),
+        "attention_out_bias": config.get("attention_out_bias", False),
+    }
+
+
+def arcee_args(config: dict) -> dict:
+    # AFM: a two-layer MLP with squared ReLU instead of SwiGLU.
+    return {**llama_args({**config, "hidden_act": config.get("hidden_act", "relu2")}), "ffn_gated": False}
 
 
 def phi3_args(config: dict) -> dict:
@@ -205,8 +412,42 @@ GPT2_RENAMES = (
 )
 
 
+STARCODER2_RENAMES = (
+    (r"(.*)\.mlp\.c_fc\.(.*)", r"\1.mlp.up_proj.\2"),
+    (r"(.*)\.mlp\.c_proj\.(.*)", r"\1.mlp.down_proj.\2"),
+)
+PHI_RENAMES = (
+    (r"(.*)\.self_attn\.dense\.(.*)", r"\1.self_attn.o_proj.\2"),
+    (r"(.*)\.mlp\.fc1\.(.*)", r"\1.mlp.up_proj.\2"),
+    (r"(.*)\.mlp\.fc2\.(.*)", r"\1.mlp.down_proj.\2"),
+    (r"model\.final_layernorm\.(.*)", r"model.norm.\1"),
+)
+# Gemma 3 image-text checkpoints, in mlx-lm's layout (transformers 4's): the text model
+# under language_model.
+GEMMA3_RENAMES = (
+    (r"language_model\.model\.(.*)", r"model.\1"),
+    (r"language_model\.lm_head\.(.*)", r"lm_head.\1"),
+)
+
+
+def gemma3_layout(weights: dict) -> dict:
+    """transformers 5's names for a Gemma 3 image-text model (``model.language_model.*``,
+    ``lm_head.*``) -> transformers 4's and mlx-lm's (``language_model.model.*``,
+    ``language_model.lm_head.*``); those pass through."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name.removeprefix("model.language_model.")
+        elif name.startswith("lm_head."):
+            name = "language_model." + name
+        out[name] = tensor
+    return out
+
+
 # Names that are not weights of ours: precomputed RoPE tables some exports carry.
 COMMON_DROPS = (r".*\.rotary_emb\.inv_freq",)
+# The image side of image-text checkpoints: only the language model is loaded.
+VISION_DROPS = (r"(model\.)?vision_tower\..*", r"(model\.)?multi_modal_projector\..*")
 
 
 @dataclass(frozen=True)
@@ -230,6 +471,22 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma2": Architecture(args=gemma2_args),
     "phi3": Architecture(args=phi3_args, rewrite=phi3_rewrite),
     "gpt2": Architecture(args=gpt2_args, renames=GPT2_RENAMES, rewrite=split_qkv, layout=gpt2_layout),
+    "gemma3_text": Architecture(args=gemma3_text_args),
+    "gemma3": Architecture(args=gemma3_args, renames=GEMMA3_RENAMES, drops=COMMON_DROPS + VISION_DROPS,
+                           layout=gemma3_layout),
+    "olmo2": Architecture(args=olmo2_args),
+    "olmo3": Architecture(args=olmo3_args),
+    "exaone4": Architecture(args=exaone4_args),
+    "starcoder2": Architecture(args=starcoder2_args, renames=STARCODER2_RENAMES),
+    "granite": Architecture(args=granite_args),
+    "smollm3": Architecture(args=smollm3_args),
+    "phi": Architecture(args=phi_args, renames=PHI_RENAMES),
+    "cohere": Architecture(args=cohere_args),
+    "stablelm": Architecture(args=stablelm_args),
+    "helium": Architecture(args=helium_args),
+    "seed_oss": Architecture(args=seed_oss_args),
+    "ministral": Architecture(args=llama_args),  # Llama with sliding-window layers
+    "arcee": Architecture(args=arcee_args),
 }
 
 
@@ -237,6 +494,72 @@ ARCHITECTURES: dict[str, Architecture] = {
 MLX_LM_CONFIG_ALIASES = {
     "gpt2": {"n_ctx": "n_positions"},
 }
+
+
+def period_of(layer_types: list[str]) -> int:
+    """The shortest repeat of a layer-type list (its length when it does not repeat)."""
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
+
+
+def layer_type_rope_keys(config: dict) -> dict:
+    """transformers 5's per-layer-type ``rope_parameters`` in the classic keys mlx-lm reads."""
+    params = config.get("rope_parameters") or {}
+    full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    keys = {}
+    if "rope_theta" in full:
+        keys["rope_theta"] = full["rope_theta"]
+    if full.get("rope_type", "default") != "default":
+        keys["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    if "rope_theta" in sliding:
+        keys["rope_local_base_freq"] = sliding["rope_theta"]
+    return keys
+
+
+def gemma3_text_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gemma3_text reads ``sliding_window_pattern`` (every n-th layer global), not
+    ``layer_types``; written when the layer types follow that pattern."""
+    keys = layer_type_rope_keys(config)
+    layer_types = config.get("layer_types") or []
+    if layer_types:
+        n = period_of(layer_types)
+        every_nth = ["sliding_attention"] * (n - 1) + ["full_attention"]
+        if layer_types[:n] == every_nth:
+            keys["sliding_window_pattern"] = n
+    return keys
+
+
+def gemma3_mlx_lm_keys(config: dict) -> dict:
+    text = config.get("text_config") or {}
+    vocab_size = config.get("vocab_size") or text.get("vocab_size", GEMMA3_TEXT_DEFAULTS["vocab_size"])
+    return {"vocab_size": vocab_size, "text_config": {**text, **gemma3_text_mlx_lm_keys(text)}}
+
+
+def exaone4_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's exaone4 needs head_dim and rope_scaling, and the window pattern as letters
+    ("LLLG": L local, G global)."""
+    keys = {"head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            "rope_scaling": config.get("rope_scaling")}
+    layer_types = config.get("layer_types") or []
+    if config.get("sliding_window") and layer_types and not isinstance(config.get("sliding_window_pattern"), str):
+        period = layer_types[: period_of(layer_types)]
+        keys["sliding_window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in period)
+    return keys
+
+
+# Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
+MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
+    "gemma3_text": gemma3_text_mlx_lm_keys,
+    "gemma3": gemma3_mlx_lm_keys,
+    "olmo3": layer_type_rope_keys,
+    "exaone4": exaone4_mlx_lm_keys,
+}
+
+
+def mlx_lm_config_keys(config: dict) -> dict:
+    """Keys to set in a config.json we write so that mlx-lm reads it as we do (each only
+    restates what the config already says, in the spelling mlx-lm reads)."""
+    return MLX_LM_CONFIG_KEYS.get(config.get("model_type"), lambda _: {})(config)
 
 
 def architecture_for(config: dict) -> Architecture:

@@ -39,17 +39,22 @@ class ModelArgs:
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
     norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
-    norm_placement: str = "pre"  # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2)
+    # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
+    # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
+    # Cohere: attention and MLP both read one norm of x and both add to x)
+    norm_placement: str = "pre"
     residual: bool = True  # False drops the skip connections (a gradient-flow ablation)
+    residual_scale: float = 1.0  # Granite: each sublayer's output times this joins the residual
     final_norm: bool = True
     # feed-forward
-    hidden_act: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    hidden_act: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2"
     ffn_gated: bool = True  # act(gate(x)) * up(x): SwiGLU with silu, GeGLU with gelu
     mlp_bias: bool = False
     # attention
     attention_bias: bool = False  # q, k, v projections
     attention_out_bias: bool = False  # o projection
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    qk_norm_scope: str = "head"  # "head" | "projection" (OLMo 2: one norm over all heads of q, of k)
     attention_scale: float = 0.0  # 0: derived (1/sqrt(head_dim))
     attn_logit_softcapping: float | None = None
     sliding_window: int | None = None
@@ -57,6 +62,8 @@ class ModelArgs:
     # positions
     position_embedding: str = "rope"  # "rope" | "learned" | "sinusoidal" | "none"
     rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # Gemma 3, OLMo 3: sliding layers' own base, never scaled
+    rope_layers: tuple[bool, ...] = ()  # per layer: rotate q and k? () = every layer (SmolLM 3 skips some)
     rope_traditional: bool = False  # True: rotate adjacent pairs (GPT-J, llama2.c)
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3"|"yarn", ...}
     partial_rotary_factor: float = 1.0
@@ -65,6 +72,8 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     embedding_scale: float | None = None  # Gemma: sqrt(hidden_size)
     final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0  # Cohere multiplies the logits, Granite divides them
+    lm_head_bias: bool = False  # Phi-2
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
@@ -84,11 +93,15 @@ class ModelArgs:
         values["layer_types"] = tuple(values.get("layer_types") or (default_type,) * n_layers)
         if len(values["layer_types"]) != n_layers:
             raise ValueError(f"layer_types has {len(values['layer_types'])} entries for {n_layers} layers")
+        values["rope_layers"] = tuple(bool(r) for r in values.get("rope_layers", ()))
+        if values["rope_layers"] and len(values["rope_layers"]) != n_layers:
+            raise ValueError(f"rope_layers has {len(values['rope_layers'])} entries for {n_layers} layers")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
+        d["rope_layers"] = list(self.rope_layers)
         return d
 
 
@@ -144,6 +157,7 @@ ACTIVATIONS = {
     "gelu": nn.gelu,  # exact, through erf
     "gelu_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))
     "relu": nn.relu,
+    "relu2": lambda x: mx.square(nn.relu(x)),  # Primer's squared ReLU (Arcee)
 }
 
 
@@ -189,19 +203,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=args.attention_out_bias)
+        # q/k norm over each head (Qwen 3, Gemma 3) or over the whole projection (OLMo 2)
+        self.qk_norm_scope = args.qk_norm_scope if args.qk_norm else None
+        if self.qk_norm_scope not in (None, "head", "projection"):
+            raise ValueError(f"unknown qk_norm_scope {args.qk_norm_scope!r} (head, projection)")
         if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_weight_offset)
-            self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_weight_offset)
-        self.qk_norm = args.qk_norm
-        self.rope = make_rope(args) if args.position_embedding == "rope" else None
+            per_head = self.qk_norm_scope == "head"
+            q_dims = self.head_dim if per_head else self.n_heads * self.head_dim
+            k_dims = self.head_dim if per_head else self.n_kv_heads * self.head_dim
+            self.q_norm = RMSNorm(q_dims, args.norm_eps, args.norm_weight_offset)
+            self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
+        rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
+        self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_scope == "projection":
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         # (B, L, n_heads * head_dim) -> (B, L, n_heads, head_dim)
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        if self.qk_norm:
+        queries = queries.reshape(B, L, self.n_heads, self.head_dim)
+        keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim)
+        values = values.reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.qk_norm_scope == "head":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         # -> (B, heads, L, head_dim), the layout attention and the cache work in
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
@@ -216,35 +240,56 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+# Which norms each placement has, by their checkpoint names.
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "parallel": ("input_layernorm",),
+}
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.placement = args.norm_placement
         self.residual = args.residual
-        if self.placement not in ("pre", "post", "sandwich"):
-            raise ValueError(f"unknown norm_placement {self.placement!r} (pre, post, sandwich)")
+        self.residual_scale = args.residual_scale
+        if self.placement not in BLOCK_NORMS:
+            raise ValueError(f"unknown norm_placement {self.placement!r} ({', '.join(BLOCK_NORMS)})")
+        if not self.residual and self.placement not in ("pre", "post"):
+            raise ValueError("residual=False is only defined for the pre and post placements")
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.input_layernorm = make_norm(args)
-        self.post_attention_layernorm = make_norm(args)
-        if self.placement == "sandwich":
-            self.pre_feedforward_layernorm = make_norm(args)
-            self.post_feedforward_layernorm = make_norm(args)
+        for name in BLOCK_NORMS[self.placement]:
+            setattr(self, name, make_norm(args))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not self.residual:
             return self._without_residual(x, mask, cache)
-        if self.placement == "pre":
-            # The residual stream as the seed draws it: each sublayer adds to x.
-            h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-            return h + self.mlp(self.post_attention_layernorm(h))
         if self.placement == "post":
             # The original Transformer: normalise after each residual addition.
             h = self.input_layernorm(x + self.self_attn(x, mask, cache))
             return self.post_attention_layernorm(h + self.mlp(h))
-        # Gemma 2: normalise each sublayer's input and its output.
+        if self.placement == "pre":
+            # The residual stream as the seed draws it: each sublayer adds to x.
+            h = x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache))
+            return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
+        if self.placement == "parallel":
+            # Phi-2, Cohere: both sublayers read the same normalised x.
+            normed = self.input_layernorm(x)
+            return x + self.self_attn(normed, mask, cache) + self.mlp(normed)
+        if self.placement == "post_sublayer":
+            # OLMo 2: normalise each sublayer's output only.
+            h = x + self.post_attention_layernorm(self.self_attn(x, mask, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        # Gemma 2 and 3: normalise each sublayer's input and its output.
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def _scaled(self, y: mx.array) -> mx.array:
+        return y * self.residual_scale if self.residual_scale != 1.0 else y
 
     def _without_residual(self, x: mx.array, mask, cache) -> mx.array:
         """The same sublayers and norms with no skip connections: each sublayer's output
@@ -308,7 +353,7 @@ class Model(nn.Module):
         self.args = args
         self.model = TransformerModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.lm_head_bias)
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab_size)."""
@@ -321,6 +366,8 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
+        if self.args.logit_scale != 1.0:
+            logits = logits * self.args.logit_scale
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap

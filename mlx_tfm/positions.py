@@ -118,8 +118,12 @@ def fused_rope(x: mx.array, freqs: mx.array, offset: mx.array, dims: int, tradit
     return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=scale, offset=offset, freqs=freqs)
 
 
-def make_rope(args) -> RoPE:
+def make_rope(args, layer_type: str = "full_attention") -> RoPE:
+    """The rotary embedding of one layer: sliding-window layers take ``rope_local_theta``
+    unscaled when it is set (Gemma 3, OLMo 3), every other layer the model's own."""
     dims = int(args.head_dim * args.partial_rotary_factor)
+    if layer_type == "sliding_attention" and args.rope_local_theta is not None:
+        return RoPE(dims, args.rope_traditional, args.rope_local_theta, None, args.max_position_embeddings)
     return RoPE(dims, args.rope_traditional, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..atomic import remove_stale_temporaries
 from ..errors import UserError
-from ..families import MLX_LM_CONFIG_ALIASES, on_disk_layout
+from ..families import MLX_LM_CONFIG_ALIASES, mlx_lm_config_keys, on_disk_layout
 from ..hub import resolve_model_path
 from ..model import ModelArgs
 from ..weights import (
@@ -81,6 +81,7 @@ def classic_rope_keys(config: dict) -> dict:
 def output_config(config: dict, quantization: dict | None, dtype: str) -> dict:
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     config.update(classic_rope_keys(config))
+    config.update(mlx_lm_config_keys(config))
     for key, same_as in MLX_LM_CONFIG_ALIASES.get(config["model_type"], {}).items():
         if key not in config and same_as in config:
             config[key] = config[same_as]
