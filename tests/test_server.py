@@ -445,7 +445,20 @@ def test_a_client_that_leaves_after_two_chunks(client, model_id, server):
     assert after.choices[0].finish_reason == "length"
 
 
+def test_a_client_that_leaves_before_a_plain_answer(server):
+    cancelled_before = metric_value(server, 'mlx_tfm_engine_requests_total{finish_reason="cancelled"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/completions", json={"prompt": [1], "max_tokens": 450}, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while metric_value(server, 'mlx_tfm_engine_requests_total{finish_reason="cancelled"}') <= cancelled_before:
+        assert time.monotonic() < deadline, "the row of the client that left was never cancelled"
+        time.sleep(0.05)
+    assert httpx.get(f"{server.root}/health").status_code == 200
+
+
 def test_metrics_are_prometheus_text(server):
+    httpx.post(f"{server.url}/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    httpx.post(f"{server.url}/chat/completions", json={"messages": []})
     response = httpx.get(f"{server.root}/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     text = response.text
