@@ -35,12 +35,24 @@ def _save(fig, path: Path, dpi: int = 90) -> Path:
     return path
 
 
-def _token_axes(ax, labels: list[str], rows: bool = True, fontsize: int = 6) -> None:
+def _token_axes(ax, labels: list[str], x: bool = True, y: bool = True, fontsize: int = 6) -> None:
+    """Token labels on the axes asked for (text is most of a picture's drawing time, so
+    a grid labels only its outer panels), none past ``LABELLED_TOKENS`` tokens."""
+    ax.set_xticks([])
+    ax.set_yticks([])
     if len(labels) > LABELLED_TOKENS:
         return
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=fontsize)
-    if rows:
+    if x:
+        ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=fontsize)
+    if y:
         ax.set_yticks(range(len(labels)), labels, fontsize=fontsize)
+
+
+def _grid_axes(axes, index: int, drawn: int, labels: list[str], fontsize: int = 6) -> None:
+    """Panel ``index`` of a grid of ``drawn`` panels: x labels where no panel is drawn
+    below it, y labels on the first column."""
+    cols = axes.shape[1]
+    _token_axes(axes.flat[index], labels, x=index + cols >= drawn, y=index % cols == 0, fontsize=fontsize)
 
 
 def attention_heads(path: Path, weights: np.ndarray, labels: list[str], layer: int) -> Path:
@@ -56,7 +68,7 @@ def attention_heads(path: Path, weights: np.ndarray, labels: list[str], layer: i
             continue
         ax.imshow(weights[head], cmap="viridis", vmin=0, vmax=1)
         ax.set_title(f"head {head}", fontsize=8)
-        _token_axes(ax, labels, fontsize=5)
+        _grid_axes(axes, head, n_heads, labels, fontsize=5)
     fig.suptitle(f"layer {layer}: attention per head (rows: queries, columns: keys)")
     fig.tight_layout()
     return _save(fig, path, dpi=80)
@@ -74,7 +86,7 @@ def attention_layers(path: Path, maps: list[np.ndarray], labels: list[str]) -> P
             continue
         ax.imshow(maps[layer].mean(axis=0), cmap="viridis", vmin=0, vmax=1)
         ax.set_title(f"layer {layer}", fontsize=9)
-        _token_axes(ax, labels)
+        _grid_axes(axes, layer, len(maps), labels)
     fig.suptitle("attention, heads averaged (rows: queries, columns: keys)")
     fig.tight_layout()
     return _save(fig, path)
@@ -111,7 +123,7 @@ def logit_lens(path: Path, top_tokens: list[list[str]], top_probs: np.ndarray, l
             for col in range(length):
                 color = "black" if top_probs[row, col] > 0.6 else "white"
                 ax.text(col, row, top_tokens[row][col], ha="center", va="center", fontsize=6, color=color)
-    _token_axes(ax, labels, rows=False, fontsize=7)
+    _token_axes(ax, labels, y=False, fontsize=7)
     ax.set_yticks(range(states), ["emb"] + [f"block {i}" for i in range(states - 1)], fontsize=7)
     ax.invert_yaxis()  # the last block on top, as the stream rises
     ax.set_xlabel("input token (each column predicts the token after it)")
