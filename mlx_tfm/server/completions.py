@@ -131,6 +131,16 @@ def failed(event) -> APIError | None:
 
 
 async def chat_completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
+    # Rendering, tokenizing and compiling a grammar take a while: off the event loop.
+    request, rows, choices = await asyncio.to_thread(prepare_chat, serving, body)
+    generation = Generation(serving.engine, rows)
+    if request.stream:
+        return sse_response(chat_stream(serving, request, generation, choices), generation)
+    return await answer_when_done(http, generation, lambda: chat_events(serving, generation, choices))
+
+
+def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, list[Request], list[ChatChoice]]:
+    """The request, its engine rows (one per choice) and the choices' parsers."""
     request = parse_body(body, ChatCompletionRequest)
     serving.check_model(request.model)
     prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
@@ -149,10 +159,7 @@ async def chat_completions(serving: Serving, http: HTTPRequest, body: bytes) -> 
                             top_logprobs=request.top_logprobs or 0, logits_processors=processors))
     starts_thinking = prompt_opens_thinking(prompt_text)
     choices = [ChatChoice(AnswerParser(starts_thinking, tool_format), serving, request.logprobs) for _ in rows]
-    generation = Generation(serving.engine, rows)
-    if request.stream:
-        return sse_response(chat_stream(serving, request, generation, choices), generation)
-    return await answer_when_done(http, generation, lambda: chat_events(serving, generation, choices))
+    return request, rows, choices
 
 
 def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None) -> tuple[str | None, str]:
@@ -232,10 +239,19 @@ class TextChoice:
 
 
 async def completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
+    request, rows, choices = await asyncio.to_thread(prepare_completion, serving, body)
+    generation = Generation(serving.engine, rows)
+    if request.stream:
+        return sse_response(text_stream(serving, request, generation, choices), generation)
+    return await answer_when_done(http, generation, lambda: text_events(serving, request, generation, choices))
+
+
+def prepare_completion(serving: Serving, body: bytes) -> tuple[CompletionRequest, list[Request], list[TextChoice]]:
+    """The request and its engine rows: ``n`` per prompt, in order (choice index = row)."""
     request = parse_body(body, CompletionRequest)
     serving.check_model(request.model)
     prompts = request.prompts()
-    rows, echoes = [], []
+    rows, choices = [], []
     for p, prompt in enumerate(prompts):
         ids = text_prompt(serving.tokenizer, prompt)
         check_prompt(ids, serving.vocab_size, serving.context, "prompt" if len(prompts) == 1 else f"prompt.{p}")
@@ -245,12 +261,8 @@ async def completions(serving: Serving, http: HTTPRequest, body: bytes) -> Respo
                                 sampling=sampling_of(request, serving.settings, serving.vocab_size, i),
                                 stop_strings=request.stop_strings, logprobs=request.logprobs is not None,
                                 top_logprobs=request.logprobs or 0))
-            echoes.append(echo)
-    choices = [TextChoice(echo, request.logprobs is not None) for echo in echoes]
-    generation = Generation(serving.engine, rows)
-    if request.stream:
-        return sse_response(text_stream(serving, request, generation, choices), generation)
-    return await answer_when_done(http, generation, lambda: text_events(serving, request, generation, choices))
+            choices.append(TextChoice(echo, request.logprobs is not None))
+    return request, rows, choices
 
 
 async def text_events(serving: Serving, request: CompletionRequest, generation: Generation,
