@@ -63,6 +63,10 @@ def _windows(a: ModelArgs) -> str:
     return f"sliding-window attention ({a.sliding_window} positions) in {sliding} of {a.num_hidden_layers} layers"
 
 
+def _experts(a: ModelArgs) -> str:
+    return f"mixture of experts: {a.num_experts} experts, {a.num_experts_per_tok} chosen for each token"
+
+
 def _rope_scaling(a: ModelArgs) -> str:
     scaling = dict(a.rope_scaling or {})
     kind = scaling.pop("rope_type", None) or scaling.pop("type", "?")
@@ -102,6 +106,8 @@ WORDS: dict[str, Callable[[ModelArgs], str]] = {
     "tie_word_embeddings": lambda a: "untied LM head (a vocab x d matrix of its own)",
     "embedding_scale": lambda a: f"embeddings scaled by {a.embedding_scale:.4g}",
     "final_logit_softcapping": lambda a: f"logits soft-capped at {a.final_logit_softcapping:g} (tanh)",
+    "num_experts": _experts,
+    "num_experts_per_tok": _experts,
 }
 
 

@@ -77,15 +77,15 @@ class Trace:
 
 
 class Recorder(nn.Module):
-    """Calls ``inner`` as the model would and hands its input, mask and output to ``record``."""
+    """Calls ``inner`` as the model would and hands its input and output to ``record``."""
 
     def __init__(self, inner: nn.Module, record: Callable):
         super().__init__()
         self.inner = inner
         self.record = record  # a plain attribute: not a parameter, not a child
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        out = self.inner(x, mask, cache)
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        out = self.inner(x, *args, **kwargs)  # mask, cache and whatever else the model passes
         self.record(x, out)
         return out
 

@@ -55,8 +55,10 @@ def block_lines(report: dict) -> list[str]:
     blocks = report["blocks"]
     runs: list[list[dict]] = []
     for layer in blocks["layers"]:
-        same = runs and all(runs[-1][0][k] == layer[k] for k in ("attention", "ffn", "other"))
-        runs[-1].append(layer) if same else runs.append([layer])
+        if runs and all(runs[-1][0][k] == layer[k] for k in ("attention", "ffn", "other")):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
     rows = []
     for run in runs:
         first, last = run[0], run[-1]
