@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 TOKEN_WIDTH = 8  # characters of a token shown in a logit-lens cell
+LENS_POSITIONS = 16  # positions in the printed logit lens
 
 
 def human_bytes(n: int | None) -> str:
@@ -112,20 +113,27 @@ def anatomy_text(report: dict) -> str:
 def stream_text(report: dict) -> str:
     tokens = [t[:TOKEN_WIDTH] for t in report["tokens"]]
     norms = report["residual_norms"]
-    lens = report["logit_lens"]
     names = ["emb"] + [f"block {i}" for i in range(len(norms) - 1)]
     norm_rows = [[name, f"{sum(row) / len(row):.3g}", f"{min(row):.3g}", f"{max(row):.3g}"]
                  for name, row in zip(names, norms)]
-    lens_rows = [[name, *[f"{t[:TOKEN_WIDTH]} {p:.2f}" for t, p in zip(top, probs)]]
-                 for name, top, probs in zip(names, lens["top_tokens"], lens["top_probs"])]
     lines = [f"prompt: {len(tokens)} tokens: {' | '.join(tokens)}", "",
              "residual stream norm (L2 of each position's vector):",
-             *table(["after", "mean", "min", "max"], norm_rows, right={1, 2, 3}), "",
-             "logit lens (top next token and its probability, each layer's residual through the final norm and head):",
-             *table(["after", *tokens], lens_rows)]
+             *table(["after", "mean", "min", "max"], norm_rows, right={1, 2, 3}), "", *lens_lines(report, names)]
     if report.get("pictures"):
         lines += ["", "pictures:", *[f"  {p}" for p in report["pictures"]]]
     return "\n".join(lines)
+
+
+def lens_lines(report: dict, names: list[str]) -> list[str]:
+    """The logit lens for the last ``LENS_POSITIONS`` positions (the JSON and the picture have all)."""
+    lens = report["logit_lens"]
+    shown = slice(-LENS_POSITIONS, None)
+    tokens = [t[:TOKEN_WIDTH] for t in report["tokens"][shown]]
+    rows = [[name, *[f"{t[:TOKEN_WIDTH]} {p:.2f}" for t, p in zip(top[shown], probs[shown])]]
+            for name, top, probs in zip(names, lens["top_tokens"], lens["top_probs"])]
+    which = "" if len(report["tokens"]) <= LENS_POSITIONS else f", the last {LENS_POSITIONS} positions"
+    return [f"logit lens (each layer's residual through the final norm and head: the top next token and its "
+            f"probability{which}):", *table(["after", *tokens], rows)]
 
 
 def comparison_text(report: dict, limit: int = 40) -> str:
