@@ -5,6 +5,13 @@
 untempered log-probabilities, as mlx-lm and llama.cpp do) followed by a categorical draw at
 temperature ``temp``. Nothing is decided inside the decoding loop.
 
+The temperature, top-p and min-p values reach the compiled draw as arrays, not as Python
+numbers: MLX's CPU backend builds a C++ kernel for every distinct constant it meets (about
+a second each on Linux), so ``/set temp 0.75`` or a request with its own temperature reuses
+the kernels already built. Only which filters are on (and top-k's k, a shape) pick the
+compiled function. The filters also take one setting per row, a ``(B, 1)`` array, for
+batches whose rows differ.
+
 ``make_logits_processors(...)`` returns a list of ``(tokens, logits) -> logits`` applied
 before the log-softmax: a repetition penalty and a logit bias. ``tokens`` is the context
 so far (prompt and generated), ``(L,)`` or ``(B, L)``.
@@ -39,9 +46,10 @@ def apply_top_k(logprobs: mx.array, k: int) -> mx.array:
     return mx.put_along_axis(logprobs, dropped, mx.array(NEG_INF, logprobs.dtype), axis=-1)
 
 
-def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+def apply_top_p(logprobs: mx.array, top_p: float | mx.array) -> mx.array:
     """Keep the nucleus: the fewest most-probable tokens whose probabilities sum to at
-    least ``top_p`` (a token is kept if the tokens above it sum to less than ``top_p``)."""
+    least ``top_p`` (a token is kept if the tokens above it sum to less than ``top_p``).
+    ``top_p``: a number, a scalar array or one per row, (B, 1)."""
     order = mx.argsort(-logprobs, axis=-1)  # (B, V), most probable first
     probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
     mass_above = mx.cumsum(probs, axis=-1) - probs
@@ -50,8 +58,9 @@ def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     return mx.where(keep, logprobs, NEG_INF)
 
 
-def apply_min_p(logprobs: mx.array, min_p: float) -> mx.array:
-    """Keep tokens at least ``min_p`` times as probable as the most probable one."""
+def apply_min_p(logprobs: mx.array, min_p: float | mx.array) -> mx.array:
+    """Keep tokens at least ``min_p`` times as probable as the most probable one.
+    ``min_p``: a number, a scalar array or one per row, (B, 1)."""
     threshold = logprobs.max(axis=-1, keepdims=True) + mx.log(mx.array(min_p, logprobs.dtype))
     return mx.where(logprobs >= threshold, logprobs, NEG_INF)
 
@@ -72,23 +81,29 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
         )
     if temp == 0:
         return greedy
-    filters = []
-    if top_k > 0:
-        filters.append(functools.partial(apply_top_k, k=top_k))
-    if 0 < top_p < 1:
-        filters.append(functools.partial(apply_top_p, top_p=top_p))
-    if min_p > 0:
-        filters.append(functools.partial(apply_min_p, min_p=min_p))
-    inverse_temp = 1.0 / temp
+    draw = compiled_draw(top_k, use_top_p=0 < top_p < 1, use_min_p=min_p > 0)
+    settings = [mx.array(value, mx.float32) for value in (1.0 / temp, top_p, min_p)]
+    return functools.partial(draw, inverse_temp=settings[0], top_p=settings[1], min_p=settings[2])
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_draw(top_k: int, use_top_p: bool, use_min_p: bool):
+    """``draw(logprobs, inverse_temp, top_p, min_p) -> tokens``: the enabled filters, then
+    a categorical draw, compiled once per process for this choice of filters. The settings
+    are array inputs (scalars, or (B, 1) for one per row)."""
 
     # Compiled with the random state as an input and output, so seeding still governs it.
     @functools.partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
-    def sample(logprobs: mx.array) -> mx.array:
-        for apply in filters:
-            logprobs = apply(logprobs)
+    def draw(logprobs: mx.array, inverse_temp: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        if use_top_p:
+            logprobs = apply_top_p(logprobs, top_p)
+        if use_min_p:
+            logprobs = apply_min_p(logprobs, min_p)
         return mx.random.categorical(logprobs * inverse_temp, axis=-1)
 
-    return sample
+    return draw
 
 
 # -- logits processors -----------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Samplers and logits processors, each checked on constructed distributions."""
 
 import math
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -113,3 +116,63 @@ def test_logit_bias_adds_and_bans():
 def test_invalid_settings_are_user_errors(settings):
     with pytest.raises(UserError, match="invalid sampling settings"):
         make_sampler(**settings)
+
+
+# -- settings are inputs, not constants: no new C++ kernel per value ------------------------
+
+COUNT_KERNELS = """
+import os, sys
+import mlx_tfm
+import mlx.core as mx
+from mlx_tfm.sample import make_sampler
+
+folder = os.path.join(os.environ["TMPDIR"], "mlx", mx.__version__, "cpu")
+logprobs = mx.log(mx.softmax(mx.random.normal((2, 300)), axis=-1))
+
+def kernels_after(**settings):
+    mx.eval(make_sampler(**settings)(logprobs))
+    return len(os.listdir(folder)) if os.path.isdir(folder) else 0
+
+print(kernels_after(**eval(sys.argv[1])), kernels_after(**eval(sys.argv[2])))
+"""
+
+
+def kernel_files(tmp_path, first: dict, second: dict) -> tuple[int, int]:
+    """Files in MLX's CPU kernel cache (under a fresh TMPDIR) after sampling with the
+    ``first`` settings, then after also sampling with the ``second``."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COUNT_KERNELS, repr(first), repr(second)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.split())
+    return before, after
+
+
+@pytest.mark.parametrize("first,second", [
+    ({"temp": 0.7}, {"temp": 0.75}),
+    ({"temp": 0.7, "top_p": 0.9, "min_p": 0.05, "top_k": 40}, {"temp": 1.3, "top_p": 0.5, "min_p": 0.2, "top_k": 40}),
+])  # fmt: skip
+def test_new_setting_values_compile_no_new_kernel(tmp_path, first, second):
+    before, after = kernel_files(tmp_path, first, second)
+    assert before > 0, "the first sampler compiled nothing: the count proves nothing"
+    assert after == before
+
+
+def test_one_compiled_sampler_serves_each_temperature_with_its_own_value():
+    """Samplers with different temperatures share the compiled function; each must still
+    draw at its own temperature (p ** (1 / temp), renormalised)."""
+    mx.random.seed(3)
+    p = np.array(PROBS)
+    for temp in (0.5, 2.0, 0.5):
+        freq = frequencies(make_sampler(temp=temp, top_p=0.99), logprobs_of(PROBS), n=6000)
+        expected = p ** (1 / temp) / np.sum(p ** (1 / temp))
+        np.testing.assert_allclose(freq, expected, atol=0.03)
+
+
+def test_filters_take_one_setting_per_row():
+    """(B, 1) settings filter each row by its own value, as a batch engine needs."""
+    rows = logprobs_of(PROBS, rows=3)
+    top_p = apply_top_p(rows, mx.array([[0.45], [0.75], [0.99]]))
+    assert [kept(top_p[i : i + 1]) for i in range(3)] == [{1}, {1, 3}, {0, 1, 2, 3}]
+    min_p = apply_min_p(rows, mx.array([[0.2], [0.5], [0.01]]))
+    assert [kept(min_p[i : i + 1]) for i in range(3)] == [{1, 3, 2}, {1, 3}, {0, 1, 2, 3}]
