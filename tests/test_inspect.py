@@ -168,7 +168,8 @@ def test_a_new_part_type_is_reported_under_its_own_name():
     model.layers[0].router = nn.Linear(48, 4, bias=False)
     found = {p.name: p for p in parts.model_parts(model)}
     assert found["model.layers.0.mlp.experts"].kind == "ffn"
-    assert found["model.layers.0.mlp.experts"].parameters == found["model.layers.0.mlp.experts"].matrix_parameters == 4 * 80 * 48
+    stacked = found["model.layers.0.mlp.experts"]
+    assert stacked.parameters == stacked.matrix_parameters == 4 * 80 * 48
     assert found["model.layers.0.router"].kind == "other"
     rows = {r.name: r for r in parts.part_rows(list(found.values()))}
     assert rows["layers.*.mlp.experts"].blocks == 1 and rows["layers.*.router"].parameters == 48 * 4
@@ -442,4 +443,5 @@ def test_out_that_is_a_file_and_a_tokenizer_that_does_not_fit(stories_hf, tmp_pa
                                                       tmp_path / "file")
     small = write_model_folder(tmp_path / "m", tiny_llama_config(vocab_size=256),
                                {"tokenizer.model": stories_hf / "tokenizer.model"})
-    assert "tokenizer has 512 tokens but the model only 256" in inspect_error(capsys, "--model", small, "--prompt", "hi")
+    err = inspect_error(capsys, "--model", small, "--prompt", "hi")
+    assert "tokenizer has 512 tokens but the model only 256" in err

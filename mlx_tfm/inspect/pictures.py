@@ -149,7 +149,8 @@ def comparison(path: Path, changes: list[TensorChange]) -> Path:
     top.set_title("relative change per block (all its tensors together)")
     kinds = [BLOCK.fullmatch(c.name).group(2) if BLOCK.fullmatch(c.name) else "outside the blocks" for c in changes]
     palette = {kind: plt.get_cmap("tab10")(i % 10) for i, kind in enumerate(dict.fromkeys(kinds))}
-    bottom.bar(range(len(changes)), [_finite(c.relative) for c in changes], color=[palette[k] for k in kinds], width=0.9)
+    bottom.bar(range(len(changes)), [_finite(c.relative) for c in changes], color=[palette[k] for k in kinds],
+               width=0.9)
     for kind, color in palette.items():
         bottom.bar([], [], color=color, label=kind)
     bottom.set_xlabel("tensor, in the model's order")

@@ -41,7 +41,8 @@ def anatomy(inspected: Inspected, context: int | None = None) -> dict:
         "disk": {"files": [{"path": path, "bytes": size} for path, size in disk.files], "file_bytes": disk.file_bytes,
                  "tensor_bytes": disk.tensor_bytes, "not_loaded_bytes": disk.not_loaded},
         "kv_cache": {"context": context, "layouts": [
-            {"layout": name, **kv_cache_bytes(args, context, dtype_bytes, bits)} for name, dtype_bytes, bits in KV_LAYOUTS]},
+            {"layout": name, **kv_cache_bytes(args, context, dtype_bytes, bits)}
+            for name, dtype_bytes, bits in KV_LAYOUTS]},
         "flops_per_token": {
             "matrix_weights": matrix_weights(args, parts),
             "attention_per_position": 4 * args.num_attention_heads * args.head_dim,
@@ -104,7 +105,8 @@ def stream(model: nn.Module, tokenizer, prompt: str, out: Path | None = None) ->
                              "top_probs": lens.top_probs.tolist()}}
     if out is not None:
         maps = layer_attention(recorded)
-        drawn = [pictures.attention_heads(out / f"attention_layer_{i:02d}.png", m, labels, i) for i, m in enumerate(maps)]
+        drawn = [pictures.attention_heads(out / f"attention_layer_{i:02d}.png", weights, labels, i)
+                 for i, weights in enumerate(maps)]
         drawn += [pictures.attention_layers(out / "attention_layers.png", maps, labels),
                   pictures.residual_norms(out / "residual_norms.png", norms, labels),
                   pictures.logit_lens(out / "logit_lens.png", top_tokens, lens.top_probs, labels)]

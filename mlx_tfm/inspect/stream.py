@@ -194,5 +194,6 @@ def logit_lens(model: nn.Module, recorded: Trace) -> LogitLens:
     return LogitLens(np.stack(ids), np.stack(probs))
 
 
-__all__ = ["AttentionCall", "attention_calls", "Trace", "trace", "weights_of", "attention_weights", "layer_attention", "residual_norms", "lens_logits",
+__all__ = ["AttentionCall", "attention_calls", "Trace", "trace", "weights_of", "attention_weights", "layer_attention",
+           "residual_norms", "lens_logits",
            "LogitLens", "logit_lens"]

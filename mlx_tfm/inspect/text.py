@@ -46,7 +46,8 @@ def parameter_lines(report: dict) -> list[str]:
     disk_total = sum(r["disk_bytes"] for r in params["rows"]) if report["disk"]["tensor_bytes"] is not None else None
     rows.append(["total", "", f"{params['total']:,}", "100.0%", human_bytes(report["memory_bytes"]),
                  human_bytes(disk_total), ""])
-    header = ["part (layers.*: summed over the blocks)", "blocks", "parameters", "share", "memory", "on disk", "stored as"]
+    header = ["part (layers.*: summed over the blocks)", "blocks", "parameters", "share", "memory", "on disk",
+              "stored as"]
     return ["parameters by part (a quantized matrix counts the weights it stands for):",
             *table(header, rows, right={1, 2, 3, 4, 5})]
 
@@ -75,7 +76,8 @@ def block_lines(report: dict) -> list[str]:
 
 def storage_lines(report: dict) -> list[str]:
     disk = report["disk"]
-    lines = [f"in memory: {report['memory_bytes']:,} bytes ({human_bytes(report['memory_bytes'])}) at the stored precision",
+    memory = report["memory_bytes"]
+    lines = [f"in memory: {memory:,} bytes ({human_bytes(memory)}) at the stored precision",
              f"on disk: {disk['file_bytes']:,} bytes in {len(disk['files'])} weight file(s)"]
     lines += [f"  {f['path']}  {f['bytes']:,} bytes" for f in disk["files"]]
     if disk["tensor_bytes"] is None:
