@@ -378,6 +378,68 @@ def test_eight_concurrent_requests_equal_their_sequential_outputs(client, model_
     assert len(set(sequential)) > 1
 
 
+def test_streamed_n_choices_join_to_the_plain_ones(client, model_id):
+    kwargs = dict(model=model_id, messages=CHAT, max_tokens=16, n=3, temperature=1.0, seed=9)
+    plain = client.chat.completions.create(**kwargs)
+    joined = ["", "", ""]
+    finished = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            joined[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert joined == [c.message.content for c in plain.choices] and sorted(finished) == [0, 1, 2]
+
+
+def test_mixed_load_never_mixes_answers(server, model_id):
+    """24 clients at once, each sending a few requests: streamed and not, some leaving
+    early, some malformed. Every valid answer equals its prompt's answer alone."""
+    prompts = [f"Tell me about {thing}." for thing in ("a cat", "a dog", "the moon", "a red car", "a fish", "Ben")]
+    expected = {}
+    for prompt in prompts:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24}
+        expected[prompt] = httpx.post(f"{server.url}/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    async def worker(http: httpx.AsyncClient, number: int) -> list[str]:
+        problems = []
+        for step in range(4):
+            kind = (number + step) % 4
+            prompt = prompts[(number * 7 + step) % len(prompts)]
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "stream": kind == 1}
+            if kind == 3:
+                response = await http.post(f"{server.url}/chat/completions", content=b'{"messages": [')
+                problems += [] if response.status_code == 400 else [f"malformed -> {response.status_code}"]
+            elif kind == 2:  # leaves after the first event
+                async with http.stream("POST", f"{server.url}/chat/completions", json={**body, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        break
+            elif kind == 1:
+                text = ""
+                async with http.stream("POST", f"{server.url}/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            text += chunk["choices"][0]["delta"].get("content", "") if chunk["choices"] else ""
+                problems += [] if text == expected[prompt] else [f"stream {prompt!r}: {text!r}"]
+            else:
+                answer = (await http.post(f"{server.url}/chat/completions", json=body)).json()
+                text = answer["choices"][0]["message"]["content"]
+                problems += [] if text == expected[prompt] else [f"plain {prompt!r}: {text!r}"]
+        return problems
+
+    async def everyone():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as http:
+            return await asyncio.gather(*[worker(http, n) for n in range(24)])
+
+    problems = [p for worker_problems in asyncio.run(everyone()) for p in worker_problems]
+    assert not problems, problems[:5]
+    assert httpx.get(f"{server.root}/health").status_code == 200
+    deadline = time.monotonic() + 10
+    while metric_value(server, "mlx_tfm_requests_running") + metric_value(server, "mlx_tfm_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "rows were left running after every client was gone"
+        time.sleep(0.05)
+
+
 def test_a_short_request_finishes_while_a_long_one_streams(client, model_id, server):
     arrivals = []
 
