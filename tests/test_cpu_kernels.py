@@ -174,6 +174,39 @@ def test_quantized_rows_take_int32_ids_and_strided_ids():
     assert_close(result, reference, mx.abs(reference), 1)
 
 
+# -- attention of one query (a decoding step) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("batch, heads, kv_heads, positions, head_dim", [
+    (1, 9, 3, 245, 64), (2, 4, 4, 1, 17), (1, 8, 1, 1000, 128), (3, 6, 2, 33, 80), (1, 1, 1, 7, 3)])
+def test_one_query_attention_equals_mlx_sdpa(dtype, batch, heads, kv_heads, positions, head_dim):
+    queries = random((batch, heads, 1, head_dim), FLOATS[dtype])
+    cache = random((batch, kv_heads, positions + 11, head_dim), FLOATS[dtype])
+    keys = cache[:, :, :positions]  # a cache's filled part: strided, not contiguous
+    values = random((batch, kv_heads, positions, head_dim), FLOATS[dtype])
+    scale = head_dim**-0.5
+    result = K.one_query_attention(queries, keys, values, scale=scale)
+    q32, k32, v32 = (a.astype(mx.float32) for a in (queries, keys, values))
+    reference = mx.fast.scaled_dot_product_attention(q32, k32, v32, scale=scale)
+    assert result.shape == queries.shape and result.dtype == queries.dtype
+    # A weighted mean of the values: rounding relative to the largest of them.
+    assert_close(result, reference, mx.broadcast_to(mx.abs(v32).max(), reference.shape), positions + head_dim)
+
+
+def test_one_query_attention_reads_values_with_any_strides():
+    queries, keys = random((1, 4, 1, 16)), random((1, 2, 50, 16))
+    values = random((1, 2, 16, 50)).swapaxes(2, 3)  # the head axis is not contiguous
+    reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25)
+    assert_close(K.one_query_attention(queries, keys, values, scale=0.25), reference,
+                 mx.broadcast_to(mx.abs(values).max(), reference.shape), 66)
+
+
+def test_one_query_attention_refuses_more_queries():
+    with pytest.raises(ValueError, match="attention needs queries"):
+        K.one_query_attention(random((1, 4, 2, 16)), random((1, 2, 5, 16)), random((1, 2, 5, 16)), scale=1.0)
+
+
 # -- the kernels inside MLX graphs ---------------------------------------------------------
 
 
@@ -236,6 +269,9 @@ for name, dtype in (("f32", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat
     w = mx.random.normal((77, 317)).astype(dtype)
     ref = x[:, :317] @ w.astype(mx.float32).T
     errors[name] = float(mx.abs(K.matvec(x[:, :317], w) - ref).max())
+q, k, v = mx.random.normal((1, 6, 1, 70)), mx.random.normal((1, 2, 40, 70)), mx.random.normal((1, 2, 40, 70))
+ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
+errors["attention"] = float(mx.abs(K.one_query_attention(q, k, v, scale=0.1) - ref).max())
 print(json.dumps({"isa": K.isa(), "errors": errors}))
 """
 

@@ -38,12 +38,29 @@ struct QuantizedProduct {
   float* y;
 };
 
+// Attention of one query per (batch, head) over S cached positions: out (B, H, D) =
+// softmax(scale * q . K) @ V, the H query heads sharing H / H_kv KV heads (GQA). q is
+// float32 (B, H, D) row-major; keys and values of kv_type, each position's D values
+// contiguous, strided over (batch, KV head, position) in elements; out float32.
+struct AttentionProblem {
+  const float* q;
+  const void* keys;
+  const void* values;
+  Real kv_type;
+  int64_t batch, heads, kv_heads, positions, head_dim;
+  int64_t key_strides[3], value_strides[3];
+  float scale;
+  float* out;
+};
+
 // One instruction set's kernels: each computes the outputs of rows [n0, n1) of w.
 struct Kernels {
   const char* name;
   int lanes;
   void (*float_rows)(const FloatProduct&, int64_t n0, int64_t n1);
   void (*quantized_rows)(const QuantizedProduct&, int64_t n0, int64_t n1);
+  // (batch, head) pairs [i0, i1) of an attention problem; scores: room for S floats.
+  void (*attention_heads)(const AttentionProblem&, int64_t i0, int64_t i1, float* scores);
 };
 
 namespace avx512 { const Kernels& kernels(); }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 
 #include "kernels.h"
 #include "simd.h"
@@ -62,41 +63,43 @@ void float_rows_m(const FloatProduct& p, const float* x, float* y, int64_t n0, i
 
 // Each group of a row: the dot product of its raw values with x, times the group's scale,
 // plus its bias times the sum of x over the group. The scaled dot products stay vectors
-// until the row's end (one horizontal sum per row, not per group).
-template <int BITS, Real S, int M>
+// until the row's end (one horizontal sum per row, not per group). The group size is a
+// compile-time constant, so a group's loop unrolls whole.
+template <int BITS, int GS, Real S, int M>
 void quantized_rows_m(const QuantizedProduct& p, const float* x, const float* sums, float* y,
                       int64_t n0, int64_t n1) {
-  const int64_t k = p.k, groups = k / p.group_size, row_bytes = k * BITS / 8;
-  const int gs = p.group_size;
+  constexpr int GROUP_BYTES = GS * BITS / 8;
+  const int64_t k = p.k, groups = k / GS, row_bytes = k * BITS / 8;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.w + n * row_bytes;
+    const uint8_t* w = p.w + n * row_bytes;
+    const int64_t first_scale = n * groups;
     F acc[M];
     float bias_acc[M] = {};
     for (int m = 0; m < M; ++m) acc[m] = zero();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = g * gs;
+    const float* xg = x;
+    for (int64_t g = 0; g < groups; ++g, w += GROUP_BYTES, xg += GS) {
       F dot[M][2];
       for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = zero();
       if constexpr (BITS == 4) {
-        for (int j = 0; j < gs; j += 2 * LANES) {
+        for (int j = 0; j < GS; j += 2 * LANES) {
           F low, high;
-          load_nibbles(row + (first + j) / 2, low, high);
+          load_nibbles(w + j / 2, low, high);
           for (int m = 0; m < M; ++m) {
-            dot[m][0] = fma(low, load(x + m * k + first + j), dot[m][0]);
-            dot[m][1] = fma(high, load(x + m * k + first + j + LANES), dot[m][1]);
+            dot[m][0] = fma(low, load(xg + m * k + j), dot[m][0]);
+            dot[m][1] = fma(high, load(xg + m * k + j + LANES), dot[m][1]);
           }
         }
       } else {
-        for (int j = 0; j < gs; j += 2 * LANES) {
-          F a = load_u8(row + first + j), b = load_u8(row + first + j + LANES);
+        for (int j = 0; j < GS; j += 2 * LANES) {
+          F a = load_u8(w + j), b = load_u8(w + j + LANES);
           for (int m = 0; m < M; ++m) {
-            dot[m][0] = fma(a, load(x + m * k + first + j), dot[m][0]);
-            dot[m][1] = fma(b, load(x + m * k + first + j + LANES), dot[m][1]);
+            dot[m][0] = fma(a, load(xg + m * k + j), dot[m][0]);
+            dot[m][1] = fma(b, load(xg + m * k + j + LANES), dot[m][1]);
           }
         }
       }
-      const F scale = set1(scalar_real<S>(p.scales, n * groups + g));
-      const float bias = scalar_real<S>(p.biases, n * groups + g);
+      const F scale = set1(scalar_real<S>(p.scales, first_scale + g));
+      const float bias = scalar_real<S>(p.biases, first_scale + g);
       for (int m = 0; m < M; ++m) {
         acc[m] = fma(scale, add(dot[m][0], dot[m][1]), acc[m]);
         bias_acc[m] += bias * sums[m * groups + g];
@@ -135,13 +138,13 @@ struct FloatKernel {
   };
 };
 
-template <int BITS, Real S>
+template <int BITS, int GS, Real S>
 struct QuantizedKernel {
   template <int M>
   struct At {
     static void run(int64_t m0, const QuantizedProduct& p, int64_t n0, int64_t n1) {
-      const int64_t groups = p.k / p.group_size;
-      quantized_rows_m<BITS, S, M>(p, p.x_permuted + m0 * p.k, p.x_group_sums + m0 * groups,
+      const int64_t groups = p.k / GS;
+      quantized_rows_m<BITS, GS, S, M>(p, p.x_permuted + m0 * p.k, p.x_group_sums + m0 * groups,
                                    p.y + m0 * p.n, n0, n1);
     }
   };
@@ -155,12 +158,21 @@ inline void float_rows(const FloatProduct& p, int64_t n0, int64_t n1) {
   }
 }
 
+template <int BITS, int GS>
+inline void quantized_rows_group(const QuantizedProduct& p, int64_t n0, int64_t n1) {
+  switch (p.scale_type) {
+    case Real::F32: by_position_chunks<QuantizedKernel<BITS, GS, Real::F32>::template At>(p.m, p, n0, n1); break;
+    case Real::F16: by_position_chunks<QuantizedKernel<BITS, GS, Real::F16>::template At>(p.m, p, n0, n1); break;
+    case Real::BF16: by_position_chunks<QuantizedKernel<BITS, GS, Real::BF16>::template At>(p.m, p, n0, n1); break;
+  }
+}
+
 template <int BITS>
 inline void quantized_rows_bits(const QuantizedProduct& p, int64_t n0, int64_t n1) {
-  switch (p.scale_type) {
-    case Real::F32: by_position_chunks<QuantizedKernel<BITS, Real::F32>::template At>(p.m, p, n0, n1); break;
-    case Real::F16: by_position_chunks<QuantizedKernel<BITS, Real::F16>::template At>(p.m, p, n0, n1); break;
-    case Real::BF16: by_position_chunks<QuantizedKernel<BITS, Real::BF16>::template At>(p.m, p, n0, n1); break;
+  switch (p.group_size) {
+    case 32: quantized_rows_group<BITS, 32>(p, n0, n1); break;
+    case 64: quantized_rows_group<BITS, 64>(p, n0, n1); break;
+    default: quantized_rows_group<BITS, 128>(p, n0, n1); break;
   }
 }
 
@@ -169,8 +181,63 @@ inline void quantized_rows(const QuantizedProduct& p, int64_t n0, int64_t n1) {
   else quantized_rows_bits<8>(p, n0, n1);
 }
 
+// dot(q, row) over d values, row of type R.
+template <Real R>
+inline float dot_row(const float* q, const void* row, int64_t d) {
+  F acc = zero();
+  int64_t j = 0;
+  for (; j + LANES <= d; j += LANES) acc = fma(load(q + j), load_real<R>(row, j), acc);
+  float total = hsum(acc);
+  for (; j < d; ++j) total += q[j] * scalar_real<R>(row, j);
+  return total;
+}
+
+// out[0:d] += weight * row[0:d], row of type R.
+template <Real R>
+inline void add_scaled_row(float* out, float weight, const void* row, int64_t d) {
+  const F w = set1(weight);
+  int64_t j = 0;
+  for (; j + LANES <= d; j += LANES) {
+    F o = fma(w, load_real<R>(row, j), load(out + j));
+    store(out + j, o);
+  }
+  for (; j < d; ++j) out[j] += weight * scalar_real<R>(row, j);
+}
+
+template <Real R>
+void attention_heads_of(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+  const int64_t d = p.head_dim, group = p.heads / p.kv_heads;
+  const int64_t item = R == Real::F32 ? 4 : 2;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / p.heads, h = i % p.heads, kvh = h / group;
+    const float* q = p.q + i * d;
+    const auto* keys = static_cast<const uint8_t*>(p.keys) + item * (b * p.key_strides[0] + kvh * p.key_strides[1]);
+    const auto* values = static_cast<const uint8_t*>(p.values) + item * (b * p.value_strides[0] + kvh * p.value_strides[1]);
+    float top = -INFINITY;
+    for (int64_t s = 0; s < p.positions; ++s) {
+      scores[s] = p.scale * dot_row<R>(q, keys + item * s * p.key_strides[2], d);
+      top = std::max(top, scores[s]);
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < p.positions; ++s) total += (scores[s] = std::exp(scores[s] - top));
+    float* out = p.out + i * d;
+    std::fill(out, out + d, 0.0f);
+    for (int64_t s = 0; s < p.positions; ++s) add_scaled_row<R>(out, scores[s], values + item * s * p.value_strides[2], d);
+    const float inverse = 1.0f / total;
+    for (int64_t j = 0; j < d; ++j) out[j] *= inverse;
+  }
+}
+
+inline void attention_heads(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+  switch (p.kv_type) {
+    case Real::F32: attention_heads_of<Real::F32>(p, i0, i1, scores); break;
+    case Real::F16: attention_heads_of<Real::F16>(p, i0, i1, scores); break;
+    case Real::BF16: attention_heads_of<Real::BF16>(p, i0, i1, scores); break;
+  }
+}
+
 const Kernels& kernels() {
-  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows};
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads};
   return set;
 }
 

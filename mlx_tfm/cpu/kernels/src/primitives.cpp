@@ -57,26 +57,45 @@ float real_at(const uint8_t* bytes, Real type, size_t i) {
   }
 }
 
-// x (any layout, float32 / float16 / bfloat16) as float32, row-major.
-std::vector<float> float32_copy(const mx::array& x) {
-  std::vector<uint8_t> scratch;
-  const uint8_t* bytes = contiguous_bytes(x, scratch);
+// Buffers a computation reuses from call to call on its thread (an MLX stream's): decoding
+// makes hundreds of calls a step, and fresh allocations of these sizes cost more than
+// the small products themselves.
+enum Scratch { X32, X_PERMUTED, X_SUMS, RESULT, SCRATCH_COUNT };
+
+float* scratch(Scratch which, size_t count) {
+  thread_local std::vector<float> buffers[SCRATCH_COUNT];
+  std::vector<float>& buffer = buffers[which];
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// x (any layout, float32 / float16 / bfloat16) as float32, row-major, in scratch X32.
+float* float32_copy(const mx::array& x) {
+  float* out = scratch(X32, x.size());
+  if (x.dtype() == mx::float32 && x.flags().row_contiguous) {
+    std::memcpy(out, x.data<float>(), x.size() * 4);
+    return out;
+  }
+  std::vector<uint8_t> bytes_scratch;
+  const uint8_t* bytes = contiguous_bytes(x, bytes_scratch);
   const Real type = real_of(x.dtype());
-  std::vector<float> out(x.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = real_at(bytes, type, i);
+  for (size_t i = 0; i < x.size(); ++i) out[i] = real_at(bytes, type, i);
   return out;
 }
 
-// y (float32, row-major) written into `out` in its dtype.
-void store(const std::vector<float>& y, mx::array& out) {
-  if (out.dtype() == mx::float32) {
-    std::memcpy(out.data<float>(), y.data(), y.size() * 4);
-  } else if (out.dtype() == mx::float16) {
+// Where a kernel writes its float32 results: `out` itself when it is float32.
+float* result_buffer(mx::array& out) {
+  return out.dtype() == mx::float32 ? out.data<float>() : scratch(RESULT, out.size());
+}
+
+// The float32 results written into `out` in its dtype (nothing to do for float32).
+void store(const float* y, mx::array& out) {
+  if (out.dtype() == mx::float16) {
     auto* dst = out.data<mx::float16_t>();
-    for (size_t i = 0; i < y.size(); ++i) dst[i] = static_cast<mx::float16_t>(y[i]);
-  } else {
+    for (size_t i = 0; i < out.size(); ++i) dst[i] = static_cast<mx::float16_t>(y[i]);
+  } else if (out.dtype() == mx::bfloat16) {
     auto* dst = out.data<mx::bfloat16_t>();
-    for (size_t i = 0; i < y.size(); ++i) dst[i] = static_cast<mx::bfloat16_t>(y[i]);
+    for (size_t i = 0; i < out.size(); ++i) dst[i] = static_cast<mx::bfloat16_t>(y[i]);
   }
 }
 
@@ -101,10 +120,10 @@ void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
 
 void float_product(const mx::array& x, const mx::array& w, mx::array& out) {
   const int64_t n = w.shape(0), k = w.shape(1), m = x.size() / k;
-  std::vector<float> x32 = float32_copy(x);
-  std::vector<uint8_t> scratch;
-  std::vector<float> y(m * n);
-  const FloatProduct p{contiguous_bytes(w, scratch), real_of(w.dtype()), n, k, x32.data(), m, y.data()};
+  const float* x32 = float32_copy(x);
+  std::vector<uint8_t> w_scratch;
+  float* y = result_buffer(out);
+  const FloatProduct p{contiguous_bytes(w, w_scratch), real_of(w.dtype()), n, k, x32, m, y};
   const Kernels& kernels = best_kernels();
   over_rows(n, k * w.itemsize(), [&](int64_t n0, int64_t n1) { kernels.float_rows(p, n0, n1); });
   store(y, out);
@@ -114,20 +133,24 @@ void quantized_product(const mx::array& x, const mx::array& w, const mx::array& 
                        const mx::array& biases, int group_size, int bits, mx::array& out) {
   const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = x.size() / k, groups = k / group_size;
   const Kernels& kernels = best_kernels();
-  std::vector<float> x32 = float32_copy(x);
-  std::vector<float> sums(m * groups, 0.0f);
-  for (int64_t i = 0; i < m * groups; ++i)
-    for (int j = 0; j < group_size; ++j) sums[i] += x32[i * group_size + j];
+  const float* x32 = float32_copy(x);
+  float* sums = scratch(X_SUMS, m * groups);
+  for (int64_t i = 0; i < m * groups; ++i) {
+    float total = 0.0f;
+    for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
+    sums[i] = total;
+  }
+  const float* x_read = x32;
   if (bits == 4) {
-    std::vector<float> permuted(x32.size());
-    for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32.data() + r * k, permuted.data() + r * k, k, kernels.lanes);
-    x32.swap(permuted);
+    float* permuted = scratch(X_PERMUTED, m * k);
+    for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
+    x_read = permuted;
   }
   std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
-  std::vector<float> y(m * n);
+  float* y = result_buffer(out);
   const QuantizedProduct p{contiguous_bytes(w, w_scratch), bits, group_size, n, k,
                            contiguous_bytes(scales, s_scratch), contiguous_bytes(biases, b_scratch),
-                           real_of(scales.dtype()), x32.data(), sums.data(), m, y.data()};
+                           real_of(scales.dtype()), x_read, sums, m, y};
   over_rows(n, k * bits / 8, [&](int64_t n0, int64_t n1) { kernels.quantized_rows(p, n0, n1); });
   store(y, out);
 }
@@ -152,12 +175,12 @@ void dequantized_rows(const mx::array& ids, const mx::array& w, const mx::array&
   const uint8_t* bb = contiguous_bytes(biases, b_scratch);
   const Real type = real_of(scales.dtype());
   const unsigned mask = (1u << bits) - 1;
-  std::vector<float> y(ids.size() * k);
+  float* y = result_buffer(out);
   for (size_t r = 0; r < ids.size(); ++r) {
     int64_t id = id_at(id_bytes, ids.dtype(), r);
     id = id < 0 ? id + n : id;  // as MLX's indexing: negative ids count from the end
     if (id < 0 || id >= n) {  // no exception on the stream's thread: a row of zeros
-      std::fill(y.begin() + r * k, y.begin() + (r + 1) * k, 0.0f);
+      std::fill(y + r * k, y + (r + 1) * k, 0.0f);
       continue;
     }
     const uint8_t* row = wb + id * (k * bits / 8);
@@ -171,6 +194,38 @@ void dequantized_rows(const mx::array& ids, const mx::array& w, const mx::array&
     }
   }
   store(y, out);
+}
+
+void one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
+                         mx::array& out) {
+  const int64_t batch = queries.shape(0), heads = queries.shape(1), head_dim = queries.shape(3);
+  const int64_t kv_heads = keys.shape(1), positions = keys.shape(2);
+  const float* q = float32_copy(queries);
+  // Each position's values must be contiguous; a cache's keys and values are, whatever
+  // their other strides (a slice of a larger buffer).
+  std::vector<uint8_t> k_scratch, v_scratch;
+  auto rows_of = [](const mx::array& a, std::vector<uint8_t>& bytes, int64_t* strides) -> const void* {
+    if (a.strides()[3] == 1) {
+      for (int d = 0; d < 3; ++d) strides[d] = a.strides()[d];
+      return a.data<void>();
+    }
+    const void* copy = contiguous_bytes(a, bytes);
+    strides[2] = a.shape(3), strides[1] = strides[2] * a.shape(2), strides[0] = strides[1] * a.shape(1);
+    return copy;
+  };
+  AttentionProblem p{q, nullptr, nullptr, real_of(keys.dtype()), batch, heads, kv_heads, positions, head_dim,
+                     {}, {}, scale, result_buffer(out)};
+  p.keys = rows_of(keys, k_scratch, p.key_strides);
+  p.values = rows_of(values, v_scratch, p.value_strides);
+  const Kernels& kernels = best_kernels();
+  const int64_t pairs = batch * heads;
+  const bool worth_threads = pairs * positions * head_dim >= (64 << 10);
+  parallel_for(worth_threads ? pairs : 1, [&](int64_t t) {
+    std::vector<float> scores(positions);
+    if (worth_threads) kernels.attention_heads(p, t, t + 1, scores.data());
+    else kernels.attention_heads(p, 0, pairs, scores.data());
+  });
+  store(p.out, out);
 }
 
 // -- checks a caller's arguments get -----------------------------------------------------
@@ -243,6 +298,19 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
                    {ids, w, scales, biases});
 }
 
+mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                              float scale, mx::StreamOrDevice s) {
+  for (const auto* a : {&queries, &keys, &values}) check_float(*a, "queries, keys and values");
+  if (queries.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || queries.shape(2) != 1 ||
+      queries.shape(0) != keys.shape(0) || queries.shape(3) != keys.shape(3) || keys.shape(1) == 0 ||
+      queries.shape(1) % keys.shape(1) || keys.dtype() != values.dtype())
+    throw std::invalid_argument(
+        "mlx_tfm kernels: attention needs queries (B, H, 1, D) and keys, values (B, H_kv, S, D) of one dtype, "
+        "H a multiple of H_kv");
+  return mx::array(queries.shape(), queries.dtype(), std::make_shared<OneQueryAttention>(cpu_stream(s), scale),
+                   {queries, keys, values});
+}
+
 // -- primitives ---------------------------------------------------------------------------
 
 namespace {
@@ -282,6 +350,19 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
     dequantized_rows(in[0], in[1], in[2], in[3], group_size, bits, o);
   });
+}
+
+void OneQueryAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const float scale = scale_;
+  dispatch(stream(), inputs, out, [scale](const std::vector<mx::array>& in, mx::array& o) {
+    one_query_attention(in[0], in[1], in[2], scale, o);
+  });
+}
+
+void OneQueryAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+
+bool OneQueryAttention::is_equivalent(const mx::Primitive& other) const {
+  return scale_ == static_cast<const OneQueryAttention&>(other).scale_;
 }
 
 void MatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }

@@ -22,6 +22,23 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
                          const mx::array& biases, int group_size, int bits,
                          mx::StreamOrDevice s = {});
 
+// Attention of one query position: queries (B, H, 1, D) over keys and values
+// (B, H_kv, S, D), H a multiple of H_kv (GQA), every position visible (a decoding step).
+mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                              float scale, mx::StreamOrDevice s = {});
+
+class OneQueryAttention : public mx::UnaryPrimitive {
+ public:
+  OneQueryAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmOneQueryAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+};
+
 class MatVec : public mx::UnaryPrimitive {
  public:
   explicit MatVec(mx::Stream stream) : mx::UnaryPrimitive(stream) {}

@@ -20,6 +20,7 @@ using F = __m512;
 inline F zero() { return _mm512_setzero_ps(); }
 inline F set1(float v) { return _mm512_set1_ps(v); }
 inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
@@ -52,6 +53,7 @@ using F = __m256;
 inline F zero() { return _mm256_setzero_ps(); }
 inline F set1(float v) { return _mm256_set1_ps(v); }
 inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 inline F add(F a, F b) { return _mm256_add_ps(a, b); }
 inline float hsum(F v) {
@@ -95,6 +97,9 @@ inline F load(const float* p) {
   F r;
   for (int i = 0; i < LANES; ++i) r.v[i] = p[i];
   return r;
+}
+inline void store(float* p, F a) {
+  for (int i = 0; i < LANES; ++i) p[i] = a.v[i];
 }
 inline F fma(F a, F b, F c) {
   for (int i = 0; i < LANES; ++i) c.v[i] += a.v[i] * b.v[i];
