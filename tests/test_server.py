@@ -57,6 +57,14 @@ def sse_events(response: httpx.Response) -> list:
 # -- objects and usage ---------------------------------------------------------------------------
 
 
+def test_developer_messages_are_system_messages(client, model_id):
+    def answer(role):
+        return client.chat.completions.create(model=model_id, max_tokens=12, messages=[
+            {"role": role, "content": "You tell stories about dogs."}, *CHAT]).choices[0].message.content
+
+    assert answer("developer") == answer("system")
+
+
 def test_models_list(client, stories_hf):
     models = client.models.list().data
     assert [m.id for m in models] == [stories_hf.name] and models[0].object == "model"
@@ -126,6 +134,7 @@ def test_greedy_and_seeded_sampling_repeat(client, model_id):
     assert seeded == answer(temperature=1.0, seed=1234)
     others = {answer(temperature=1.0, seed=s) for s in (1, 2, 3)}
     assert len(others | {seeded}) > 1, "different seeds never changed the answer"
+    assert answer(temperature=1.0, seed=-1) == answer(temperature=1.0, seed=2**64 - 1)  # the same 64 bits
 
 
 def test_n_choices_are_rows(client, model_id):

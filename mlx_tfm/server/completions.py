@@ -61,7 +61,7 @@ def sampling_of(request: SamplingFields, settings: ServerSettings, vocab_size: i
         top_p=settings.top_p if request.top_p is None else request.top_p,
         top_k=settings.top_k if request.top_k is None else request.top_k,
         min_p=settings.min_p if request.min_p is None else request.min_p,
-        seed=None if request.seed is None else request.seed + row,
+        seed=None if request.seed is None else (request.seed + row) % 2**64,  # MLX keys take 64 bits
         repetition_penalty=request.repetition_penalty,
         repetition_context_size=request.repetition_context_size,
         presence_penalty=request.presence_penalty,

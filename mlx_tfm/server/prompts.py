@@ -20,7 +20,8 @@ def template_message(message: Message) -> dict:
     """One message as chat templates expect it: content as a string; an assistant's tool
     calls with their arguments as an object (as transformers documents, and as Qwen's and
     Llama's templates index them)."""
-    rendered = {"role": message.role, "content": message.text()}
+    # OpenAI's "developer" messages are what chat templates know as "system" ones.
+    rendered = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
     if message.name:
         rendered["name"] = message.name
     if message.tool_call_id:

@@ -115,7 +115,7 @@ class SamplingFields(Lenient):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # 64 bits, signed or not
     logit_bias: dict[str, float] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
