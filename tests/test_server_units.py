@@ -56,6 +56,7 @@ def test_llama3_tool_calls():
         "", "", [("f", {"a": 1}), ("g", {})])
     assert parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', ToolFormat.LLAMA3) == ("", "", [("f", {"a": 1})])
     assert parse('{"not": "a call"}', ToolFormat.LLAMA3) == ('{"not": "a call"}', "", [])
+    assert parse('{"name": "Ann", "age": 3}', ToolFormat.LLAMA3) == ('{"name": "Ann", "age": 3}', "", [])
     assert parse("The set {1, 2}", ToolFormat.LLAMA3) == ("The set {1, 2}", "", [])
 
 

@@ -158,7 +158,9 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
                             stop_strings=request.stop_strings, logprobs=request.logprobs,
                             top_logprobs=request.top_logprobs or 0, logits_processors=processors))
     starts_thinking = prompt_opens_thinking(prompt_text)
-    choices = [ChatChoice(AnswerParser(starts_thinking, tool_format), serving, request.logprobs) for _ in rows]
+    # An answer held to response_format is the JSON asked for, never a tool call.
+    calls_format = None if param == "response_format" and grammar else tool_format
+    choices = [ChatChoice(AnswerParser(starts_thinking, calls_format), serving, request.logprobs) for _ in rows]
     return request, rows, choices
 
 

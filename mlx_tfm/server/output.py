@@ -251,9 +251,12 @@ def parse_tool_calls(body: str) -> list[ParsedToolCall] | None:
 
 
 def tool_call_of(value) -> ParsedToolCall | None:
+    """A call is an object with a name and its arguments (any other JSON is content)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    if "arguments" not in value and "parameters" not in value:
+        return None
+    arguments = value["arguments"] if "arguments" in value else value["parameters"]
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return ParsedToolCall(name=value["name"], arguments=arguments)
