@@ -18,6 +18,7 @@ LAYERS = {
     "mlx_tfm.cpu": 1,
     # 2 the math: the model and what it computes with
     "mlx_tfm.model": 2, "mlx_tfm.attention": 2, "mlx_tfm.cache": 2, "mlx_tfm.positions": 2, "mlx_tfm.sample": 2,
+    "mlx_tfm.experts": 2,
     # 3 model families and weight I/O
     "mlx_tfm.families": 3, "mlx_tfm.weights": 3, "mlx_tfm.tokenizer": 3, "mlx_tfm.hub": 3,
     # 4 importers of foreign formats
