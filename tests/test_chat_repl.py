@@ -1,9 +1,11 @@
 """`mlx-tfm chat` as a person uses it: the real REPL in a pseudo-terminal (pexpect), typing
 messages and commands, pressing Ctrl-C in the middle of an answer, reading the screen."""
 
+import ctypes
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +26,8 @@ ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\r")
 class Terminal:
     """`mlx-tfm chat ARGS` in a pseudo-terminal; ``expect`` waits for text on the screen."""
 
-    def __init__(self, *args: str):
-        env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    def __init__(self, *args: str, env: dict | None = None):
+        env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", **(env or {})}
         self.child = pexpect.spawn(sys.executable, ["-m", "mlx_tfm", "chat", *args], encoding="utf-8",
                                    dimensions=(50, 200), env=env)
         self.raw = ""
@@ -179,3 +181,75 @@ def test_without_model_it_uses_the_default_offline(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "using the tiny stories model shipped with mlx-tfm" in result.stderr
     assert re.search(r"model: .*mlx_tfm/assets/default-model\n", result.stdout)
+
+
+# A stand-in for g++ (MLX's CPU backend runs `g++ ... -shared` through popen to build a
+# fused kernel): the first compile marks that it began and takes seconds, so Ctrl-C can be
+# pressed while it runs; every call then runs the real compiler.
+SLOW_COMPILER = """#!/bin/sh
+case "$*" in
+  *-shared*) if [ ! -e "$MARKER" ]; then touch "$MARKER"; sleep 3; fi ;;
+esac
+exec "$REAL_COMPILER" "$@"
+"""
+
+
+def slow_compiler_env(tmp_path) -> dict:
+    """PATH with the slow g++ first, TMPDIR an empty kernel cache, MARKER its signal."""
+    real = shutil.which("g++")
+    assert real, "MLX's CPU backend needs g++ to compile its fused kernels"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "g++").write_text(SLOW_COMPILER)
+    (bin_dir / "g++").chmod(0o755)
+    (tmp_path / "kernels").mkdir()
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path / "kernels"),
+            "MARKER": str(tmp_path / "compiling"), "REAL_COMPILER": real}
+
+
+def test_ctrl_c_during_a_kernel_compile_stops_the_answer_not_the_chat(chat_folder, tmp_path):
+    """Ctrl-C while MLX compiles a kernel (an empty kernel cache, the first answer) must not
+    reach the compiler: the answer stops, the chat goes on, and the kernels it leaves in
+    the cache load in a second process."""
+    env = slow_compiler_env(tmp_path)
+    term = Terminal("--model", str(chat_folder), "--max-tokens", "40", "--temp", "0.7", env=env)
+    term.expect(">>>")
+    term.type("Once upon a time there was a cat.")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(env["MARKER"]):
+        assert time.monotonic() < deadline and term.child.isalive(), term.screen()[-2000:]
+        time.sleep(0.05)
+    time.sleep(0.5)  # the compiler is running
+    term.child.sendintr()
+    term.expect(r"\^C.*\[answer stopped\]\n\n>>>")
+    term.type("And then?")
+    term.expect(r"And then\?\n.+\n\n>>>")
+    term.type("/bye")
+    assert term.exit_status() == 0
+    # a second process finds whole kernels in the cache
+    second = subprocess.run(
+        [sys.executable, "-m", "mlx_tfm", "chat", "--model", str(chat_folder), "--max-tokens", "5", "--temp", "0.7"],
+        input="Once upon a time there was a cat.\n", capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TMPDIR": env["TMPDIR"]},
+    )
+    assert second.returncode == 0, second.stderr
+    libraries = list((tmp_path / "kernels").rglob("*.so"))
+    assert libraries
+    for library in libraries:
+        ctypes.CDLL(str(library))  # raises if a kernel is broken
+
+
+def test_a_line_typed_during_an_answer_runs_after_it(long_context_folder):
+    """Type-ahead survives Ctrl-C being read as a key: a whole line typed while the model
+    answers is the next message, shown after the prompt."""
+    term = Terminal("--model", str(long_context_folder), "--max-tokens", "3000")
+    term.expect(">>>")
+    term.type("Tell me a story.")
+    term.expect(r"Tell me a story\.\n\S+ \S+ \S+")
+    term.type("/stats")
+    time.sleep(0.5)
+    term.child.sendintr()
+    term.expect(r"\[answer stopped\]\n\n>>> /stats\nprompt: \d+ new tokens.*answer: \d+ tokens")
+    term.expect(">>>")
+    term.child.sendintr()
+    assert term.exit_status() == 0

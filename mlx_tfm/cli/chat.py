@@ -4,13 +4,22 @@ The conversation lives in ``mlx_tfm.chat.ChatSession`` (which keeps the KV cache
 turns) and the slash commands in ``mlx_tfm.chat_commands``; this module reads lines
 (prompt_toolkit on a terminal, plain ``input()`` when stdin is a pipe), streams answers
 and turns Ctrl-C into "stop this answer".
+
+Ctrl-C while the model works is read from the terminal as a key, never sent as SIGINT:
+the terminal sends SIGINT to the whole foreground process group, and MLX's CPU backend
+compiles a new fused kernel by running the system C++ compiler (``popen``) in that group,
+so the signal would kill the compiler and the chat would die on the missing library.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import os
+import select
 import signal
 import sys
+import termios
 import threading
 
 HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
@@ -58,9 +67,24 @@ class TerminalReader:
                 event.app.exit(exception=KeyboardInterrupt())
 
         self._session = PromptSession(history=InMemoryHistory(), key_bindings=bindings)
+        self._typed_ahead: list[str | None] = []  # lines typed while the model worked; None: Ctrl-D
 
     def read(self, prompt: str) -> str:
+        if self._typed_ahead:
+            line = self._typed_ahead.pop(0)
+            if line is None:
+                raise EOFError
+            sys.stdout.write(f"{prompt}{line}\n")
+            return line
         return self._session.prompt(prompt)
+
+    @contextlib.contextmanager
+    def busy(self):
+        """While a command or an answer runs: Ctrl-C is a key (``ctrl_c_as_key``), and
+        the lines typed meanwhile are kept for the next prompts."""
+        with ctrl_c_as_key(sys.stdin.fileno()) as typed:
+            yield
+        self._typed_ahead += typed
 
 
 class PipeReader:
@@ -68,6 +92,61 @@ class PipeReader:
 
     def read(self, prompt: str) -> str:
         return input()
+
+    def busy(self):
+        """Nothing to change: there is no terminal to read Ctrl-C from."""
+        return contextlib.nullcontext()
+
+
+CTRL_C = b"\x03"
+DISABLED = b"\x00"  # _POSIX_VDISABLE on Linux and macOS
+
+
+@contextlib.contextmanager
+def ctrl_c_as_key(fd: int):
+    """While the block runs, Ctrl-C on the terminal ``fd`` does not make the tty driver
+    send SIGINT (to MLX's compiler too): it ends a line like Enter does (VEOL), a thread
+    reads it and raises SIGINT in Python only (``_thread.interrupt_main``), which runs
+    the Python handler in the main thread once the current MLX call returns. The line
+    discipline stays canonical, so echo (``^C``) and line editing work as before.
+    Yields the list that collects the whole lines typed meanwhile (None for Ctrl-D)."""
+    saved = termios.tcgetattr(fd)
+    keys = termios.tcgetattr(fd)
+    keys[6][termios.VINTR] = DISABLED
+    keys[6][termios.VEOL] = CTRL_C
+    typed: list[str | None] = []
+    wake_read, wake_write = os.pipe()
+    watcher = threading.Thread(target=_watch_keys, args=(fd, wake_read, typed), daemon=True)
+    termios.tcsetattr(fd, termios.TCSANOW, keys)
+    watcher.start()
+    try:
+        yield typed
+    finally:
+        os.write(wake_write, b"x")
+        try:
+            watcher.join()
+        finally:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+            os.close(wake_read)
+            os.close(wake_write)
+
+
+def _watch_keys(fd: int, wake: int, typed: list) -> None:
+    """Read whole lines from the terminal until woken: one ending in Ctrl-C interrupts
+    (what was typed before it on that line is dropped, as the tty driver drops it), the
+    others are kept."""
+    while True:
+        ready, _, _ = select.select([fd, wake], [], [])
+        if fd not in ready:
+            return
+        line = os.read(fd, 65536)
+        if line.endswith(CTRL_C):
+            _thread.interrupt_main()
+        elif not line:  # Ctrl-D on an empty line; stop reading until the prompt
+            typed.append(None)
+            return
+        else:
+            typed.append(line.decode(errors="replace").removesuffix("\n"))
 
 
 def read_message(reader) -> str:
@@ -158,10 +237,11 @@ def repl(session, reader, screen: Screen) -> int:
         if not message.strip():
             continue
         try:
-            if message.startswith("/"):
-                screen.write(run_command(session, message) + "\n")
-            else:
-                stream_answer(session, message, screen)
+            with reader.busy():
+                if message.startswith("/"):
+                    screen.write(run_command(session, message) + "\n")
+                else:
+                    stream_answer(session, message, screen)
         except Quit:
             return 0
         except UserError as e:
