@@ -70,20 +70,30 @@ def stream_until_it_ends(server, outcome: dict, started: threading.Event) -> Non
     outcome["events"] = events
 
 
+def plain_answer(server, outcome: dict) -> None:
+    response = httpx.post(f"{server.url}/completions", json={"prompt": [1], "max_tokens": 450}, timeout=60)
+    outcome["status"], outcome["body"] = response.status_code, response.json()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_ends_streams_with_an_error_and_exits_0(stories_hf, sig):
     server = ServerProcess("--model", str(stories_hf), "--log-level", "warning")
     outcomes = [{} for _ in range(3)]
     started = [threading.Event() for _ in outcomes]
     threads = [threading.Thread(target=stream_until_it_ends, args=(server, o, s)) for o, s in zip(outcomes, started)]
+    waiting = {}
+    threads.append(threading.Thread(target=plain_answer, args=(server, waiting)))
     for thread in threads:
         thread.start()
     for event in started:
         assert event.wait(30), "a stream never started"
+    while "mlx_tfm_requests_running 4" not in httpx.get(f"{server.root}/metrics").text:
+        time.sleep(0.02)  # the plain request is in the batch too
     status = server.stop(sig)
     for thread in threads:
         thread.join(30)
     assert status == 0, server.log
+    assert waiting["status"] == 503 and waiting["body"]["error"]["code"] == "server_shutting_down"
     for outcome in outcomes:
         last = json.loads(outcome["events"][-1])
         assert last["error"]["message"] == "server shutting down", outcome["events"][-3:]

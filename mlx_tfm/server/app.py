@@ -88,6 +88,7 @@ class ServerState:
         """End every running and waiting request (their streams get an error event)."""
         self._stopped = True
         if self.serving is not None:
+            self.serving.stopping.set()
             self.serving.engine.stop()
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
@@ -40,6 +41,7 @@ class Serving:
     settings: ServerSettings
     grammar_tokenizer: object  # llguidance's view of the tokenizer (None: no per-token bytes)
     texts: objects.TokenTexts
+    stopping: threading.Event = field(default_factory=threading.Event)  # set at Ctrl-C / SIGTERM
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model_id:
@@ -118,8 +120,10 @@ class UsageCounter:
             self.usage.cached_tokens += event.cached_tokens
 
 
-def failed(event) -> APIError | None:
+def failed(serving: Serving, event) -> APIError | None:
     """An engine event that ends a row without an answer."""
+    if event.finish_reason == "error" and serving.stopping.is_set():
+        return APIError(503, event.error or "server shutting down", code="server_shutting_down")
     if event.finish_reason == "error":
         return APIError(500, event.error or "the generation failed", code="generation_failed")
     if event.finish_reason == "cancelled":
@@ -177,7 +181,7 @@ def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None)
 async def chat_events(serving: Serving, generation: Generation, choices: list[ChatChoice]) -> dict:
     usage = UsageCounter(rows_per_prompt=len(choices))
     async for row, event in generation.events():
-        error = failed(event)
+        error = failed(serving, event)
         if error is not None:
             generation.cancel()
             raise error
@@ -201,7 +205,7 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, generati
     for index in range(len(choices)):
         yield chunk(objects.chat_chunk_choice(index, {"role": "assistant", "content": ""}))
     async for row, event in generation.events():
-        error = failed(event)
+        error = failed(serving, event)
         if error is not None:
             generation.cancel()
             raise error
@@ -271,7 +275,7 @@ async def text_events(serving: Serving, request: CompletionRequest, generation: 
                       choices: list[TextChoice]) -> dict:
     usage = UsageCounter(rows_per_prompt=request.n)
     async for row, event in generation.events():
-        error = failed(event)
+        error = failed(serving, event)
         if error is not None:
             generation.cancel()
             raise error
@@ -298,7 +302,7 @@ async def text_stream(serving: Serving, request: CompletionRequest, generation: 
         if choice.text:  # the echoed prompt
             yield chunk(index, choice.text, None, None)
     async for row, event in generation.events():
-        error = failed(event)
+        error = failed(serving, event)
         if error is not None:
             generation.cancel()
             raise error
