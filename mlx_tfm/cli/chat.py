@@ -82,9 +82,12 @@ class TerminalReader:
     def busy(self):
         """While a command or an answer runs: Ctrl-C is a key (``ctrl_c_as_key``), and
         the lines typed meanwhile are kept for the next prompts."""
-        with ctrl_c_as_key(sys.stdin.fileno()) as typed:
-            yield
-        self._typed_ahead += typed
+        typed: list[str | None] = []
+        try:
+            with ctrl_c_as_key(sys.stdin.fileno(), typed):
+                yield
+        finally:
+            self._typed_ahead += typed
 
 
 class PipeReader:
@@ -99,28 +102,26 @@ class PipeReader:
 
 
 CTRL_C = b"\x03"
-DISABLED = b"\x00"  # _POSIX_VDISABLE on Linux and macOS
 
 
 @contextlib.contextmanager
-def ctrl_c_as_key(fd: int):
+def ctrl_c_as_key(fd: int, typed: list[str | None]):
     """While the block runs, Ctrl-C on the terminal ``fd`` does not make the tty driver
     send SIGINT (to MLX's compiler too): it ends a line like Enter does (VEOL), a thread
     reads it and raises SIGINT in Python only (``_thread.interrupt_main``), which runs
     the Python handler in the main thread once the current MLX call returns. The line
     discipline stays canonical, so echo (``^C``) and line editing work as before.
-    Yields the list that collects the whole lines typed meanwhile (None for Ctrl-D)."""
+    The whole lines typed meanwhile are appended to ``typed`` (None for Ctrl-D)."""
     saved = termios.tcgetattr(fd)
     keys = termios.tcgetattr(fd)
-    keys[6][termios.VINTR] = DISABLED
+    keys[6][termios.VINTR] = bytes([os.fpathconf(fd, "PC_VDISABLE")])  # 0 on Linux, 0xff on macOS
     keys[6][termios.VEOL] = CTRL_C
-    typed: list[str | None] = []
     wake_read, wake_write = os.pipe()
     watcher = threading.Thread(target=_watch_keys, args=(fd, wake_read, typed), daemon=True)
     termios.tcsetattr(fd, termios.TCSANOW, keys)
     watcher.start()
     try:
-        yield typed
+        yield
     finally:
         os.write(wake_write, b"x")
         try:
@@ -132,9 +133,9 @@ def ctrl_c_as_key(fd: int):
 
 
 def _watch_keys(fd: int, wake: int, typed: list) -> None:
-    """Read whole lines from the terminal until woken: one ending in Ctrl-C interrupts
-    (what was typed before it on that line is dropped, as the tty driver drops it), the
-    others are kept."""
+    """Read whole lines from the terminal until woken (those already typed first): one
+    ending in Ctrl-C interrupts (what was typed before it on that line is dropped, as the
+    tty driver drops it), the others are kept."""
     while True:
         ready, _, _ = select.select([fd, wake], [], [])
         if fd not in ready:
