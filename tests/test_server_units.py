@@ -102,7 +102,9 @@ def test_completion_prompts():
     assert parse_body(b'{"prompt": "hi"}', CompletionRequest).prompts() == ["hi"]
     assert parse_body(b'{"prompt": [1, 2]}', CompletionRequest).prompts() == [[1, 2]]
     assert parse_body(b'{"prompt": [[1], [2, 3]]}', CompletionRequest).prompts() == [[1], [2, 3]]
-    for body, param in ((b'{"prompt": []}', "prompt"), (b'{"prompt": [-1]}', "prompt.0"), (b"{}", "prompt")):
+    too_many = json.dumps({"prompt": ["a"] * 33}).encode()
+    for body, param in ((b'{"prompt": []}', "prompt"), (b'{"prompt": [-1]}', "prompt.0"), (b"{}", "prompt"),
+                        (too_many, "prompt")):
         with pytest.raises(APIError) as caught:
             parse_body(body, CompletionRequest)
         assert caught.value.param == param

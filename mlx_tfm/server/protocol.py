@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import APIError, invalid
-from .settings import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from .settings import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 class Lenient(BaseModel):
@@ -196,6 +196,8 @@ class CompletionRequest(SamplingFields):
     def _not_empty(cls, value):
         if isinstance(value, list) and (not value or any(isinstance(p, (list, str)) and len(p) == 0 for p in value)):
             raise ValueError("the prompt is empty")
+        if isinstance(value, list) and isinstance(value[0], (list, str)) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
         return value
 
     @field_validator("suffix")

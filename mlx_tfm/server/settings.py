@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 
 MAX_N = 8  # choices per request (`n`): each is a row of the batch
+MAX_PROMPTS = 32  # prompts per legacy completion request (each times `n` rows)
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413
