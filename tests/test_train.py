@@ -144,6 +144,21 @@ def test_gradient_accumulation_equals_the_large_batch():
         np.testing.assert_allclose(np.array(accumulated[2][name]), np.array(value), atol=1e-5)
 
 
+def test_accumulating_unequal_micro_batches_equals_the_large_batch():
+    """With prompt masking and padding the micro-batches count different numbers of tokens
+    (here 10 and 31): accumulation must weight each by its count, as one batch of the same
+    examples averages over all 41 tokens."""
+    tokens = windows(2, 4)
+    lengths = np.array([[10, 17], [12, 15], [0, 17], [2, 17]], np.int32)  # (prompt, length) per row
+    big = one_update(tiny_model(), [Batch(tokens, lengths)], TrainingArgs())
+    micro = [Batch(tokens[:2], lengths[:2]), Batch(tokens[2:], lengths[2:])]
+    accumulated = one_update(tiny_model(), micro, TrainingArgs(grad_accumulation_steps=2))
+    assert big[1] == accumulated[1] == (17 - 10) + (15 - 12) + (17 - 1) + (17 - 2)
+    assert accumulated[0] == pytest.approx(big[0], abs=1e-5)
+    for name, value in big[2].items():
+        np.testing.assert_allclose(np.array(accumulated[2][name]), np.array(value), atol=1e-5)
+
+
 def test_gradient_checkpointing_changes_memory_not_results():
     tokens = [as_batch(windows(1, 2))]
     plain = one_update(tiny_model(), tokens, TrainingArgs())

@@ -160,7 +160,11 @@ class Callbacks:
 
 def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, loss=loss_fn):
     """``step(micro_batches) -> (loss, ntoks, grad_norm, layer_norms)``: compiled gradient
-    computation per micro-batch, averaged, clipped and applied in one optimizer update."""
+    computation per micro-batch, combined, clipped and applied in one optimizer update.
+
+    Each micro-batch's mean loss and gradient are weighted by its count of target tokens,
+    so k micro-batches give the loss and update of one batch of the same examples even
+    when prompt masking or padding makes their counts differ."""
     state = [model.state, optimizer.state, mx.random.state]
     loss_and_grad = nn.value_and_grad(model, loss)
 
@@ -187,14 +191,17 @@ def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, 
     def step(micro_batches: list[Batch]):
         if len(micro_batches) == 1:
             return full_step(mx.array(micro_batches[0].tokens), mx.array(micro_batches[0].lengths))
-        values, counts, summed = [], [], None
+        loss_sum, ntoks_sum, grad_sum = mx.array(0.0), mx.array(0), None
         for batch in micro_batches:
             value, ntoks, grads = micro_grads(mx.array(batch.tokens), mx.array(batch.lengths))
-            summed = grads if summed is None else tree_map(mx.add, summed, grads)
-            values.append(value), counts.append(ntoks)
-            mx.eval(summed)  # bound memory to one micro-batch's activations
-        grads = tree_map(lambda g: g / len(micro_batches), summed)
-        return (mx.stack(values).mean(), sum(counts), *compiled_update(grads))
+            # mean x count: this micro-batch's sum over its tokens
+            grads = tree_map(lambda g: g * ntoks.astype(g.dtype), grads)
+            grad_sum = grads if grad_sum is None else tree_map(mx.add, grad_sum, grads)
+            loss_sum, ntoks_sum = loss_sum + value * ntoks, ntoks_sum + ntoks
+            mx.eval(grad_sum, loss_sum, ntoks_sum)  # bound memory to one micro-batch's activations
+        scale = 1 / mx.maximum(ntoks_sum, 1)
+        grads = tree_map(lambda g: g * scale.astype(g.dtype), grad_sum)
+        return (loss_sum * scale, ntoks_sum, *compiled_update(grads))
 
     return step
 
