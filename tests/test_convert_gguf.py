@@ -1,6 +1,8 @@
 """GGUF against transformers' own GGUF reader (an independent implementation of
 llama.cpp's conventions): Llama with a SentencePiece vocab and with Llama-3-style
-byte-level BPE, Qwen2 with biases and Qwen2's pre-tokenizer, quantized blocks included."""
+byte-level BPE, Qwen2 with biases and Qwen2's pre-tokenizer, quantized blocks included.
+Each further family written as llama.cpp's converter writes it gives transformers' logits;
+every pre-tokenizer name we read splits text as llama.cpp's own regexes do."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from fixtures.convert_helpers import (
     train_byte_level_bpe,
     transformers_from_gguf,
     write_hf_gguf,
+    write_llama_cpp_gguf,
     write_stories_gguf,
 )
 
@@ -108,10 +111,10 @@ def test_byte_level_bpe_gguf(arch, pre, tmp_path, bpe, shakespeare):
 def test_unsupported_gguf_pre_tokenizer(tmp_path, bpe, capsys):
     tokens, _, eot = bpe
     make_hf_model("llama", tmp_path / "hf", vocab_size=len(tokens))
-    write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "tekken"))
+    write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "bloom"))
     capsys.readouterr()  # transformers' progress bars
     err = convert_error(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
-    assert "pre-tokenizer 'tekken' is not supported" in err and "llama-bpe" in err
+    assert "pre-tokenizer 'bloom' is not supported" in err and "llama-bpe" in err and "smollm" in err
 
 
 @pytest.mark.parametrize(
@@ -132,3 +135,285 @@ def test_block_mapping_is_exact(kind, magnitude):
     bits = 8 if kind == "Q8_0" else 4
     ours = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits)
     np.testing.assert_array_equal(np.array(ours), gguf.quants.dequantize(blocks, qtype))
+
+
+# -- families as llama.cpp's converter writes them ------------------------------------------
+
+# TINY_CONFIGS name -> (overrides that match what llama.cpp assumes of the family, the
+# pre-tokenizer its converter would name). llama.cpp's Gemma 3 makes every 6th layer global
+# with local base 10000 and scales by 1/sqrt(head_dim); its SmolLM 3 leaves every 4th layer
+# unrotated; its StarCoder 2 files carry no sliding window.
+LLAMA_CPP_CASES = {
+    "qwen3": ({}, "qwen2"),
+    "gemma3_text": (dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+    }), "gpt-2"),
+    "olmo2": ({}, "olmo"),
+    "olmo3": ({}, "dbrx"),
+    "starcoder2": (dict(sliding_window=None), "starcoder"),
+    "granite": ({}, "refact"),
+    "smollm3": (dict(no_rope_layer_interval=4), "llama-bpe"),
+    "phi": (dict(num_key_value_heads=4), "phi-2"),  # Phi2Model writes head_count_kv = head_count
+}
+# transformers' GGUF reader as a second reference where it reads the file right (for Gemma 3
+# it drops the rope scaling and query_pre_attn_scalar, for Qwen 3 the head size).
+TRANSFORMERS_READS_GGUF = ("starcoder2",)
+
+
+def llama_cpp_family_gguf(name, tmp_path, bpe, matrix_type="F32"):
+    overrides, pre = LLAMA_CPP_CASES[name]
+    tokens, _, eot = bpe
+    hf = make_hf_model(name, tmp_path / "hf", vocab_size=len(tokens), bos_token_id=eot, eos_token_id=eot,
+                       pad_token_id=eot, **overrides)
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, pre), matrix_type)
+    return hf
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_CASES))
+def test_family_gguf_matches_transformers(name, tmp_path, bpe):
+    hf = llama_cpp_family_gguf(name, tmp_path, bpe)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == hf.config.model_type
+    reference = hf_logits(hf, IDS)
+    np.testing.assert_allclose(our_logits(tmp_path / "out", IDS), reference, atol=1e-4, rtol=0)
+    model, _ = mlx_tfm.load(tmp_path / "out")
+    assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
+    if name in TRANSFORMERS_READS_GGUF:
+        theirs, _ = transformers_from_gguf(tmp_path / "model.gguf")
+        np.testing.assert_allclose(hf_logits(theirs, IDS), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["granite", "gemma3_text"])  # permuted q/k rows; norms stored as 1 + w
+def test_family_gguf_q8_0_blocks(name, tmp_path, bpe):
+    hf = llama_cpp_family_gguf(name, tmp_path, bpe, "Q8_0")
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8
+    reference = hf_logits(hf, IDS)
+    assert np.abs(our_logits(tmp_path / "out", IDS) - reference).max() < 0.05 * np.abs(reference).max()
+
+
+def test_qwen3moe_gguf_config_as_transformers_reads_it(tmp_path):
+    """The expert counts and sizes of a Qwen3-MoE GGUF, against transformers' GGUF reader."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from mlx_tfm.convert.gguf_file import hf_config, metadata, open_reader
+
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
+    for add, value in [("add_block_count", 2), ("add_context_length", 128), ("add_embedding_length", 64),
+                       ("add_feed_forward_length", 128), ("add_head_count", 4), ("add_head_count_kv", 2),
+                       ("add_key_length", 16), ("add_value_length", 16), ("add_rope_freq_base", 1e6),
+                       ("add_layer_norm_rms_eps", 1e-6), ("add_expert_count", 8), ("add_expert_used_count", 2),
+                       ("add_expert_feed_forward_length", 32)]:
+        getattr(writer, add)(value)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = open_reader(tmp_path / "moe.gguf")
+    ours = hf_config(metadata(reader), {t.name: t for t in reader.tensors}, "qwen3moe")
+    theirs = load_gguf_checkpoint(str(tmp_path / "moe.gguf"))["config"]
+    assert ours["model_type"] == theirs["model_type"] == "qwen3_moe"
+    for key in ("num_experts", "num_experts_per_tok", "head_dim", "num_key_value_heads"):
+        assert ours[key] == theirs[key], key
+    assert ours["moe_intermediate_size"] == 32  # transformers' reader leaves it out
+
+
+# -- pre-tokenizers: our tokenizer.json splits as llama.cpp's regexes do -----------------------
+
+# llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe): each pre-tokenizer type's regex list.
+# Where llama.cpp rewrote a tokenizer.json regex for its own engine, the original it records
+# beside it is used (the family's own split); the rest are llama.cpp's.
+LLAMA_CPP_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA_CPP_SPLITS = {
+    "LLAMA3": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "STARCODER": [r"\p{N}", LLAMA_CPP_GPT2],  # also REFACT, COMMAND_R, SMOLLM, MINERVA
+    "GPT2": [LLAMA_CPP_GPT2],  # also OLMO, and EXAONE4 / PHI-2 / MELLUM... by name
+    "QWEN2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+"],
+    "QWEN35": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "TEKKEN": [r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+               r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "GPT4O": [r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "SEED_CODER": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                   r"|\s+(?!\S)|\s+"],
+    "DEEPSEEK_CODER": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"],
+    "DEFAULT": [r"[\p{P}\$\+<=>\^~\|]+", LLAMA_CPP_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+}
+# llama-vocab.cpp (llama_vocab::impl::load): tokenizer.ggml.pre -> pre-tokenizer type.
+LLAMA_CPP_PRE_TYPES = {
+    "default": "DEFAULT",
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "midm-2.0", "dbrx", "smaug-bpe"],
+                    "LLAMA3"),
+    "deepseek-coder": "DEEPSEEK_CODER",
+    **dict.fromkeys(["starcoder", "refact", "command-r", "smollm", "minerva-7b"], "STARCODER"),
+    **dict.fromkeys(["gpt-2", "phi-2", "a.x-4.0", "mellum", "olmo", "exaone4", "trillion"], "GPT2"),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez"], "QWEN2"),
+    "qwen35": "QWEN35",
+    "tekken": "TEKKEN",
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2"], "GPT4O"),
+    "seed-coder": "SEED_CODER",
+    "gpt2": "GPT2",  # not a llama.cpp name: files from older tools
+}
+# llama.cpp's own check text (convert_hf_to_gguf_update.py CHK_TXT), then harder cases.
+SPLIT_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 "
+    "333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= "
+    "нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure "
+    "I'll make it, 'D you like some tea? We'Ve a'lL"
+    " CamelCaseWord HTTPServer iPhone naïve cafe\u0301 ÉTÉ 1,000,000 3.14159 don'T x//y\n\n\tdef f(x):\n        return x**2  "
+)
+
+
+@pytest.fixture(scope="module")
+def bpe_across_boundaries(shakespeare):
+    """A byte-level BPE trained on whole paragraphs, so its merges span the places where
+    pre-tokenizers differ (digits, spaces, punctuation, case): the splits then show in ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    paragraphs = ["\n".join(shakespeare[i : i + 4]) for i in range(0, 4000, 4)]  # newlines inside, as in the text
+    tokenizer.train_from_iterator(paragraphs + [SPLIT_TEXT] * 20, trainer)
+    model_json = json.loads(tokenizer.to_str())["model"]
+    tokens = sorted(model_json["vocab"], key=model_json["vocab"].get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]]
+    return tokens, merges, tokenizer.token_to_id("<|endoftext|>")
+
+
+def bpe_metadata(bpe, pre: str) -> dict:
+    tokens, merges, eot = bpe
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": [3 if i == eot else 1 for i in range(len(tokens))],
+            "tokenizer.ggml.bos_token_id": eot, "tokenizer.ggml.eos_token_id": eot}
+
+
+def llama_cpp_split_tokenizer(bpe, regexes: list[str]):
+    """The same vocabulary split as llama.cpp splits: each regex in turn, then bytes."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    tokens, merges, _ = bpe
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return tokenizer
+
+
+def our_gguf_tokenizer(bpe, pre: str, tmp_path):
+    from tokenizers import Tokenizer
+
+    from mlx_tfm.convert.gguf_file import byte_level_bpe_tokenizer
+
+    return Tokenizer.from_str(byte_level_bpe_tokenizer(bpe_metadata(bpe, pre), tmp_path)["tokenizer.json"].decode())
+
+
+def test_every_pre_tokenizer_has_llama_cpp_reference():
+    from mlx_tfm.convert.gguf_file import PRE_TOKENIZERS
+
+    assert set(PRE_TOKENIZERS) == set(LLAMA_CPP_PRE_TYPES)
+
+
+@pytest.mark.parametrize("pre", sorted(LLAMA_CPP_PRE_TYPES))
+def test_pre_tokenizer_splits_as_llama_cpp(pre, bpe_across_boundaries, shakespeare, tmp_path):
+    text = SPLIT_TEXT + "\n".join(shakespeare[6000:6040])
+    ours = our_gguf_tokenizer(bpe_across_boundaries, pre, tmp_path)
+    reference = llama_cpp_split_tokenizer(bpe_across_boundaries, LLAMA_CPP_SPLITS[LLAMA_CPP_PRE_TYPES[pre]])
+    assert ours.encode(text).ids == reference.encode(text).ids
+
+
+def test_pre_tokenizer_types_tell_apart_on_the_text(bpe_across_boundaries):
+    """The check above can fail: on this text and vocabulary every llama.cpp type splits
+    into different ids, so a name mapped to the wrong type would show."""
+    ids = {kind: tuple(llama_cpp_split_tokenizer(bpe_across_boundaries, regexes).encode(SPLIT_TEXT).ids)
+           for kind, regexes in LLAMA_CPP_SPLITS.items()}
+    assert len(set(ids.values())) == len(ids)
+
+
+def test_smollm_gguf_tokenizes_as_smollm(tmp_path, bpe, shakespeare):
+    """The GGUF of our own default hub model's family (pre-tokenizer ``smollm``) loads, and
+    its tokenizer splits as SmolLM's tokenizer.json does: each digit apart, then GPT-2's regex."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokens, merges, eot = bpe
+    make_hf_model("llama3", tmp_path / "hf", vocab_size=len(tokens), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    write_hf_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "smollm"))
+    _, tokenizer = mlx_tfm.load(tmp_path / "model.gguf")
+    smollm = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    smollm.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    text = SPLIT_TEXT + "\n".join(shakespeare[7000:7020])
+    assert tokenizer.encode(text, add_special_tokens=False) == smollm.encode(text).ids
+
+
+# -- SentencePiece vocabularies (Llama 2, Gemma, Mistral v1-v3) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_style_spm(tmp_path_factory, shakespeare):
+    """A SentencePiece BPE trained here as Gemma's is: no dummy prefix, byte fallback,
+    turn markers as user-defined pieces, Gemma's special ids (pad 0, eos 1, bos 2, unk 3)."""
+    import sentencepiece as spm
+
+    folder = tmp_path_factory.mktemp("spm")
+    (folder / "corpus.txt").write_text("\n".join(shakespeare[:5000]))
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"), model_prefix=str(folder / "gemma"), vocab_size=600, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        split_digits=True, minloglevel=2,
+    )
+    return folder / "gemma.model"
+
+
+def spm_writer(model_path, add_space_prefix: bool):
+    """The vocabulary as llama.cpp's _set_vocab_sentencepiece writes it (Gemma 3: no space prefix)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+
+    def kind(i):
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_byte(i):
+            return 6
+        return 4 if sp.id_to_piece(i).startswith("<") and sp.id_to_piece(i).endswith(">") else 1  # user-defined
+
+    def add_tokenizer(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+        writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+        writer.add_token_types([kind(i) for i in range(sp.get_piece_size())])
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(add_space_prefix)
+
+    return add_tokenizer
+
+
+def test_gemma_style_sentencepiece_gguf(tmp_path, gemma_style_spm, shakespeare):
+    import sentencepiece as spm
+
+    make_hf_model("gemma3_text", tmp_path / "hf", vocab_size=600, **LLAMA_CPP_CASES["gemma3_text"][0])
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "model.gguf", spm_writer(gemma_style_spm, add_space_prefix=False))
+    _, tokenizer = mlx_tfm.load(tmp_path / "model.gguf")
+    sp = spm.SentencePieceProcessor(model_file=str(gemma_style_spm))
+    text = "<start_of_turn>user\n" + "\n".join(shakespeare[8000:8030]) + " 12345 naïve 🦙<end_of_turn>\n"
+    assert tokenizer.encode(text, add_special_tokens=False) == sp.encode(text)

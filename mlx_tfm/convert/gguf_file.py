@@ -4,11 +4,13 @@ Q8_0, Q4_0 and Q4_1 blocks (32 weights, one float16 scale, Q4_1 also an offset) 
 exactly MLX affine quantization with group size 32, so the most common of them is carried
 over bit for bit; every other tensor is decoded to float. The tokenizer metadata becomes a
 ``tokenizer.model`` for a SentencePiece-style ("llama") vocabulary, a ``tokenizer.json``
-for a GPT-2-style byte-level BPE ("gpt2") one.
+for a GPT-2-style byte-level BPE ("gpt2") one, split as the family's own tokenizer.json
+splits (``PRE_TOKENIZERS``).
 
-Architectures: llama and qwen2, which share llama.cpp's tensor names. llama.cpp's converter
-permutes q/k rows of Llama models into interleaved-RoPE order; that is undone here so the
-output is a plain Hugging Face Llama.
+Architectures: one row of ``GGUF_ARCHITECTURES`` each, saying which Hugging Face model the
+file becomes, how llama.cpp's tensor names map onto its names, and what llama.cpp's
+converter did to the tensors that must be undone: Llama-lineage converters permute q/k
+rows into interleaved-RoPE order, Gemma's add 1 to every norm weight.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -27,37 +30,159 @@ from mlx_tfm.errors import UserError
 from .sources import Source
 from .llama2c import interleaved_to_half_split
 
-# GGUF tensor names -> Hugging Face Llama / Qwen2 names.
-LLAMA_NAMES = (
+
+# -- tensor names: llama.cpp's -> Hugging Face's ---------------------------------------------
+
+
+def per_layer(gguf_name: str, hf_name: str) -> tuple[str, str]:
+    """``blk.N.{gguf_name}.weight|bias`` -> ``model.layers.N.{hf_name}.weight|bias``."""
+    return rf"blk\.(\d+)\.{gguf_name}\.(weight|bias)", rf"model.layers.\1.{hf_name}.\2"
+
+
+EMBEDDING_AND_HEAD = (
     (r"token_embd\.weight", r"model.embed_tokens.weight"),
-    (r"output_norm\.weight", r"model.norm.weight"),
-    (r"output\.weight", r"lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
-    (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
-    (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
-    (r"blk\.(\d+)\.attn_q\.bias", r"model.layers.\1.self_attn.q_proj.bias"),
-    (r"blk\.(\d+)\.attn_k\.bias", r"model.layers.\1.self_attn.k_proj.bias"),
-    (r"blk\.(\d+)\.attn_v\.bias", r"model.layers.\1.self_attn.v_proj.bias"),
-    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+    (r"output_norm\.(weight|bias)", r"model.norm.\1"),
+    (r"output\.(weight|bias)", r"lm_head.\1"),
 )
+ATTENTION = tuple(per_layer(g, h) for g, h in [
+    ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+    ("attn_qkv", "self_attn.qkv_proj"),  # fused (older Phi-2 files): split by rows on reading
+    ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+])
+GATED_MLP = tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+])
+PRE_NORMS = (per_layer("attn_norm", "input_layernorm"), per_layer("ffn_norm", "post_attention_layernorm"))
+POST_NORMS = (per_layer("post_attention_norm", "post_attention_layernorm"),
+              per_layer("post_ffw_norm", "post_feedforward_layernorm"))
+
+LLAMA_NAMES = EMBEDDING_AND_HEAD + ATTENTION + PRE_NORMS + GATED_MLP
+# Gemma 3: llama.cpp's ffn_norm is the norm before the MLP, the post norms follow each sublayer.
+GEMMA3_NAMES = EMBEDDING_AND_HEAD + ATTENTION + GATED_MLP + POST_NORMS + (
+    per_layer("attn_norm", "input_layernorm"), per_layer("ffn_norm", "pre_feedforward_layernorm"))
+OLMO2_NAMES = EMBEDDING_AND_HEAD + ATTENTION + GATED_MLP + POST_NORMS
+STARCODER2_NAMES = EMBEDDING_AND_HEAD + ATTENTION + PRE_NORMS + (
+    per_layer("ffn_up", "mlp.c_fc"), per_layer("ffn_down", "mlp.c_proj"))
+PHI2_NAMES = (
+    (r"token_embd\.weight", r"model.embed_tokens.weight"),
+    (r"output_norm\.(weight|bias)", r"model.final_layernorm.\1"),
+    (r"output\.(weight|bias)", r"lm_head.\1"),
+    per_layer("attn_output", "self_attn.dense"),
+    *ATTENTION,
+    per_layer("attn_norm", "input_layernorm"),
+    per_layer("ffn_up", "mlp.fc1"),
+    per_layer("ffn_down", "mlp.fc2"),
+)
+# Qwen3-MoE: the router; the stacked experts (ffn_*_exps) are the mixture-of-experts reader's.
+QWEN3MOE_NAMES = LLAMA_NAMES + (per_layer("ffn_gate_inp", "mlp.gate"),)
+
+
+# -- configs: llama.cpp's metadata -> Hugging Face config keys, per family ----------------------
+# ``get(key, default)`` reads ``{arch}.{key}``; ``base`` is what every family shares (hf_config).
+
+
+def no_keys(get, base: dict, tensors: dict) -> dict:
+    return {}
+
+
+def gemma3_keys(get, base: dict, tensors: dict) -> dict:
+    """llama.cpp's Gemma 3: every sixth layer global, local layers at base 10000 unscaled,
+    scores scaled by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden / heads))."""
+    n_layers, head_dim = base["num_hidden_layers"], base["head_dim"]
+    pattern = get("attention.sliding_window_pattern")
+    sliding = pattern if isinstance(pattern, list) else [(i + 1) % (pattern or 6) != 0 for i in range(n_layers)]
+    scalar = base["hidden_size"] // base["num_attention_heads"] if n_layers == 62 else head_dim
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
+
+
+def olmo2_keys(get, base: dict, tensors: dict) -> dict:
+    """OLMo 3 files say ``olmo2`` too; their sliding window and per-layer pattern tell them apart."""
+    window = get("attention.sliding_window")
+    if window is None:
+        return {}
+    n_layers = base["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(n_layers)]
+    return {
+        "model_type": "olmo3",
+        "architectures": ["Olmo3ForCausalLM"],
+        "sliding_window": int(window),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in pattern],
+    }
+
+
+def starcoder2_keys(get, base: dict, tensors: dict) -> dict:
+    keys = {
+        "norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "use_bias": "blk.0.attn_q.bias" in tensors,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    if get("attention.sliding_window"):
+        keys["sliding_window"] = int(get("attention.sliding_window"))
+    return keys
+
+
+def granite_keys(get, base: dict, tensors: dict) -> dict:
+    """The converter writes each multiplier only when set; llama.cpp then uses the plain value."""
+    return {
+        "attention_multiplier": float(get("attention.scale") or base["head_dim"] ** -0.5),
+        "embedding_multiplier": float(get("embedding_scale") or 1.0),
+        "residual_multiplier": float(get("residual_scale") or 1.0),
+        "logits_scaling": float(get("logit_scale") or 1.0),
+    }
+
+
+def phi2_keys(get, base: dict, tensors: dict) -> dict:
+    """Phi2Model writes 4 x hidden as the feed-forward length whatever the model has; the
+    fc1 tensor (shape in ggml order: in, out) tells."""
+    rotary = get("rope.dimension_count", base["head_dim"])
+    return {
+        "intermediate_size": int(tensors["blk.0.ffn_up.weight"].shape[1]),
+        "partial_rotary_factor": int(rotary) / base["head_dim"],
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "hidden_act": "gelu_new",
+    }
+
+
+def qwen3moe_keys(get, base: dict, tensors: dict) -> dict:
+    return {
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "norm_topk_prob": True,  # llama.cpp's qwen3moe always renormalises the chosen experts
+    }
 
 
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
     hf_architecture: str
-    permuted_qk: bool  # llama.cpp stores Llama q/k rows in interleaved-RoPE order
+    names: tuple[tuple[str, str], ...] = LLAMA_NAMES
+    config: Callable = field(default=no_keys)  # family config keys (see above)
+    permuted_qk: bool = False  # llama.cpp's Llama-lineage converters store q/k rows interleaved
+    norm_shift: float = 0.0  # Gemma: llama.cpp stores every norm weight plus this
 
 
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
-    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_NAMES, qwen3moe_keys),
+    "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", GEMMA3_NAMES, gemma3_keys, norm_shift=1.0),
+    "olmo2": GGUFArchitecture("olmo2", "Olmo2ForCausalLM", OLMO2_NAMES, olmo2_keys),
+    "starcoder2": GGUFArchitecture("starcoder2", "Starcoder2ForCausalLM", STARCODER2_NAMES, starcoder2_keys),
+    "granite": GGUFArchitecture("granite", "GraniteForCausalLM", config=granite_keys, permuted_qk=True),
+    "smollm3": GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),  # every 4th layer unrotated
+    "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
 }
+
+
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types MLX holds exactly: name -> bits (group size 32).
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
@@ -92,13 +217,14 @@ def metadata(reader) -> dict:
 
 
 def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
+    family = GGUF_ARCHITECTURES[arch]
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     try:
         n_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         config = {
-            "architectures": [GGUF_ARCHITECTURES[arch].hf_architecture],
-            "model_type": GGUF_ARCHITECTURES[arch].model_type,
+            "architectures": [family.hf_architecture],
+            "model_type": family.model_type,
             "hidden_size": hidden,
             "intermediate_size": int(get("feed_forward_length")),
             "num_hidden_layers": int(get("block_count")),
@@ -112,18 +238,37 @@ def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
             "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in tensors,
         }
-    except (TypeError, KeyError) as e:
+        config.update(family.config(get, config, tensors))
+    except (TypeError, KeyError, ValueError) as e:
         raise UserError(f"GGUF metadata lacks what a {arch} model needs ({e})") from None
-    if get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    scaling = rope_scaling(get)
+    if scaling:
+        config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{key}"])
     return config
 
 
-def hf_name(name: str) -> str:
-    for pattern, replacement in LLAMA_NAMES:
+def rope_scaling(get) -> dict | None:
+    """llama.cpp's rope.scaling.* keys -> Hugging Face's rope_scaling (linear, YaRN)."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+        for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if get(key) is not None:
+                scaling[hf_key] = float(get(key))
+        return scaling
+    raise UserError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn)")
+
+
+def hf_name(name: str, arch: str) -> str:
+    for pattern, replacement in GGUF_ARCHITECTURES[arch].names:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, replacement, name)
     return name  # left as is: the strict check names it as unexpected
@@ -145,6 +290,18 @@ def unpermute_rows(data: np.ndarray, name: str, config: dict, arch: str) -> np.n
     if name.endswith("self_attn.k_proj.weight"):
         return interleaved_to_half_split(data, config["num_key_value_heads"])
     return data
+
+
+def split_fused_qkv(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """``...qkv_proj.weight|bias`` rows -> q_proj, k_proj, v_proj (raw quantized rows too)."""
+    if ".self_attn.qkv_proj." not in name:
+        return {name: data}
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    if data.shape[0] != q_rows + 2 * kv_rows:
+        raise UserError(f"GGUF tensor {name}: {data.shape[0]} rows, expected {q_rows + 2 * kv_rows} (q, k, v)")
+    bounds = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows), "v_proj": (q_rows + kv_rows, None)}
+    return {name.replace("qkv_proj", part): data[start:stop] for part, (start, stop) in bounds.items()}
 
 
 def decode_float(t, data: np.ndarray) -> mx.array:
@@ -201,16 +358,19 @@ def check_tensor_types(reader, path: Path) -> None:
 def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
     tensors = {t.name: t for t in reader.tensors}
     exact = exact_type(tensors)
+    shift = GGUF_ARCHITECTURES[arch].norm_shift
     weights = {}
     for gguf_name, t in tensors.items():
-        name = hf_name(gguf_name)
-        data = unpermute_rows(t.data, name, config, arch)
-        kind = t.tensor_type.name
-        if kind == exact and data.ndim == 2:
-            base = name.removesuffix(".weight")
-            weights[name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx_quantized(kind, data)
-        else:
+        hf = hf_name(gguf_name, arch)
+        for name, data in split_fused_qkv(hf, unpermute_rows(t.data, hf, config, arch), config).items():
+            kind = t.tensor_type.name
+            if kind == exact and data.ndim == 2:
+                base = name.removesuffix(".weight")
+                weights[name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx_quantized(kind, data)
+                continue
             weights[name] = decode_float(t, data)
+            if shift and name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
+                weights[name] = weights[name] - shift
     quantization = {"group_size": GROUP_SIZE, "bits": EXACT_TYPES[exact]} if exact else None
     return weights, quantization
 
@@ -259,8 +419,14 @@ def sentencepiece_tokenizer(meta: dict) -> dict[str, bytes]:
     }
 
 
-# llama.cpp's ``tokenizer.ggml.pre`` names -> the regex that splits text before byte-level
-# BPE (None: GPT-2's own, built into the ByteLevel pre-tokenizer).
+# -- byte-level BPE pre-tokenizers ----------------------------------------------------------
+# llama.cpp's ``tokenizer.ggml.pre`` names each family's tokenizer.json pre-tokenizer; here it
+# becomes that pre-tokenizer again: a list of steps, each a regex (a Split that isolates its
+# matches) or DIGITS (every digit apart), then ByteLevel, which splits with GPT-2's own regex
+# when no regex step came before it. The regexes are those of the families' tokenizer.json
+# files (llama.cpp keeps a rewritten copy of each in llama-vocab.cpp).
+
+DIGITS = "digits"
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -269,28 +435,59 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_SPLITS = {
-    "default": None,
-    "gpt2": None,
-    "llama-bpe": LLAMA3_SPLIT,
-    "llama3": LLAMA3_SPLIT,
-    "smaug-bpe": LLAMA3_SPLIT,
-    "qwen2": QWEN2_SPLIT,
-    "deepseek-r1-qwen": QWEN2_SPLIT,
+QWEN35_SPLIT = (  # Qwen 3.5: combining marks stay with their letters
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEKKEN_SPLIT = (  # Mistral's Tekken: words split at case changes, no contractions
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+O200K_SPLIT = (  # GPT-4o's o200k (gpt-oss, Llama 4)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SEED_CODER_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# What llama.cpp itself splits with when a file names no known pre-tokenizer.
+LLAMA_CPP_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", DIGITS)
+
+GPT2 = ()
+DIGITS_THEN_GPT2 = (DIGITS,)
+PRE_TOKENIZERS = {
+    "default": LLAMA_CPP_DEFAULT,
+    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "olmo", "exaone4", "mellum", "trillion", "a.x-4.0"], GPT2),
+    # SmolLM 1/2, StarCoder 2, Refact, Command-R, Minerva: each digit apart, then GPT-2's split
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "minerva-7b"], DIGITS_THEN_GPT2),
+    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral", "midm-2.0"],
+                    (LLAMA3_SPLIT,)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "kormo", "f2llmv2"], (QWEN2_SPLIT,)),
+    "qwen35": (QWEN35_SPLIT,),
+    "tekken": (TEKKEN_SPLIT,),
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2"], (O200K_SPLIT,)),
+    "seed-coder": (SEED_CODER_SPLIT,),
+    "deepseek-coder": DEEPSEEK_CODER,
 }
 
 
 def byte_level_pre_tokenizer(pre: str, path: Path):
     from tokenizers import Regex, pre_tokenizers
 
-    if pre not in PRE_TOKENIZER_SPLITS:
-        raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZER_SPLITS)})")
-    split = PRE_TOKENIZER_SPLITS[pre]
-    if split is None:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    if pre not in PRE_TOKENIZERS:
+        raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
+    steps = PRE_TOKENIZERS[pre]
+    splits = [
+        pre_tokenizers.Digits(individual_digits=True) if step == DIGITS else pre_tokenizers.Split(Regex(step), "isolated")
+        for step in steps
+    ]
+    own_regex = all(step == DIGITS for step in steps)  # ByteLevel splits as GPT-2 unless a regex did
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=own_regex)])
 
 
 def byte_level_bpe_tokenizer(meta: dict, path: Path) -> dict[str, bytes]:
