@@ -144,6 +144,9 @@ def test_block_mapping_is_exact(kind, magnitude):
 # with local base 10000 and scales by 1/sqrt(head_dim); its SmolLM 3 leaves every 4th layer
 # unrotated; its StarCoder 2 files carry no sliding window.
 LLAMA_CPP_CASES = {
+    # YaRN as llama.cpp writes it (type, factor, original context) on a permuted Llama
+    "llama": (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                    "rope_theta": 10000.0}), "llama-bpe"),
     "qwen3": ({}, "qwen2"),
     "gemma3_text": (dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
