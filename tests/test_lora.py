@@ -1,5 +1,6 @@
 """LoRA / DoRA surgery, adapters on disk, fusing, QLoRA, and `mlx-tfm lora` / `fuse`."""
 
+import dataclasses
 import json
 
 import mlx.core as mx
@@ -232,3 +233,34 @@ def test_generate_uses_adapters_from_adapter_path(stories_hf, tmp_path, capsys):
     capsys.readouterr()
     fused = generated("--model", str(tmp_path / "f"))
     assert adapted != base and fused.split("\n")[0] == adapted.split("\n")[0]
+
+
+@pytest.mark.parametrize("recipe,message", [
+    ("batch_size: four\n", "batch_size (--batch-size) must be a whole number >= 1, not 'four'"),
+    ("fine_tune_type: qlora\n", "fine_tune_type (--fine-tune-type) must be one of lora, dora, full, not 'qlora'"),
+    ("num_layers: 0\n", "num_layers (--num-layers) must be -1 (every layer) or a whole number >= 1, not 0"),
+    ("lora_parameters:\n  rank: 0\n", "lora_parameters.rank must be a whole number >= 1, not 0"),
+    ("lora_parameters:\n  dropout: 1.5\n", "lora_parameters.dropout must be a number in [0, 1), not 1.5"),
+    ("lr_schedule:\n  name: bogus\n", "unknown lr_schedule name 'bogus'"),
+    ("mask_prompt: yes please\n", "mask_prompt (--mask-prompt) must be true or false, not 'yes please'"),
+])  # fmt: skip
+def test_bad_recipe_values_are_one_line_naming_the_option(recipe, message, stories_hf, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"model: {stories_hf}\ntrain: true\ndata: {data_path('wikisql')}\n" + recipe)
+    assert main(["lora", "-c", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_recipe_options_read_as_mlx_lm_reads_them(tmp_path):
+    """1e-5 without a dot is a number (mlx-lm's YAML loader), flags win over the recipe,
+    LoRA parameters left out keep their defaults, and the options cannot change."""
+    from mlx_tfm.cli.lora import options_from
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: m\ntrain: true\nlearning_rate: 1e-5\niters: 50\nlora_parameters:\n  rank: 4\n")
+    options = options_from({"iters": 7, "batch_size": None}, str(path))
+    assert options.learning_rate == 1e-5 and options.iters == 7 and options.batch_size == 4
+    assert options.lora_parameters == {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.iters = 3

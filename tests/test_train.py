@@ -1,6 +1,7 @@
 """Pre-training and the training loop: loss and masking, schedule, accumulation and
 checkpointing invariants, `mlx-tfm train` end to end, resume, and bad input."""
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -89,7 +90,7 @@ def test_prompt_completion_record_sets_the_prompt_length():
 def test_mask_prompt_lowers_the_counted_tokens_in_lora(stories_hf, tmp_path):
     """Through the command: with --mask-prompt only completion tokens count."""
     from mlx_tfm.loading import load
-    from mlx_tfm.training.finetune import load_examples, merge_config
+    from mlx_tfm.training.finetune import FinetuneOptions, load_examples
 
     data = tmp_path / "data"
     data.mkdir()
@@ -97,8 +98,9 @@ def test_mask_prompt_lowers_the_counted_tokens_in_lora(stories_hf, tmp_path):
     for split in ("train", "valid", "test"):
         (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     _, tokenizer = load(stories_hf)
-    masked = load_examples(merge_config({"model": "m", "data": str(data), "mask_prompt": True}, None), "train", tokenizer)
-    plain = load_examples(merge_config({"model": "m", "data": str(data)}, None), "train", tokenizer)
+    options = FinetuneOptions(model="m", train=True, data=str(data))
+    masked = load_examples(dataclasses.replace(options, mask_prompt=True), "train", tokenizer)
+    plain = load_examples(options, "train", tokenizer)
     assert [t for t, _ in masked] == [t for t, _ in plain]
     assert all(p == 0 for _, p in plain)
     for (tokens, prompt), row in zip(masked, rows):
@@ -380,3 +382,36 @@ def test_pretraining_on_a_jsonl_folder_with_a_sentencepiece_tokenizer(tmp_path, 
     assert (out / "tokenizer.model").read_bytes() == (stories_hf / "tokenizer.model").read_bytes()
     model, tokenizer = load(out)
     assert model.args.vocab_size == 512 and tokenizer.encode("table") == load(stories_hf)[1].encode("table")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-size", "0"], "--batch-size must be a whole number >= 1, not 0"),
+    (["--val-fraction", "1.5"], "--val-fraction must be a number in [0, 1), not 1.5"),
+    (["--learning-rate=-1e-3"], "--learning-rate must be a number > 0, not -0.001"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be a whole number >= 1, not 0"),
+])  # fmt: skip
+def test_bad_training_options_are_one_line_before_any_work(flags, message, tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "none.txt"), "--output", str(tmp_path / "out"), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_options_are_a_frozen_dataclass_of_the_flags():
+    """Every option is the flag of the same name; a flag left out is left to the default."""
+    import argparse
+
+    from mlx_tfm.cli.train import add_arguments
+    from mlx_tfm.training.pretrain import PretrainOptions
+
+    options = PretrainOptions(data="corpus.txt", resume=True, grad_checkpoint=True, log_grad_norms=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.iters = 5
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    every_flag = []
+    for name, value in vars(options).items():
+        flag = "--" + name.replace("_", "-")
+        every_flag += [flag] if isinstance(value, bool) else [flag, str(value)]
+    assert PretrainOptions(**vars(parser.parse_args(every_flag))) == options
+    assert vars(parser.parse_args(["--data", "x", "--iters", "7"])) == {"data": "x", "iters": 7}

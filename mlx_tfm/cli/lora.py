@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
+
+from ..errors import UserError
 
 HELP = "Fine-tune a model with LoRA / QLoRA / DoRA or fully (flags and -c YAML as mlx_lm.lora)."
 
@@ -36,7 +40,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.finetune import finetune, merge_config
+    from ..training.finetune import finetune
 
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "command", "_run")}
-    return finetune(merge_config(flags, args.config))
+    return finetune(options_from(flags, args.config))
+
+
+def options_from(flags: dict, yaml_path: str | None):
+    """``FinetuneOptions``: flags given on the command line win over the -c YAML file,
+    which wins over the defaults (as mlx_lm.lora)."""
+    from ..training.finetune import FinetuneOptions
+
+    values = read_yaml(Path(yaml_path)) if yaml_path else {}
+    values.update({name: value for name, value in flags.items() if value is not None})
+    return FinetuneOptions.from_dict(values, source=yaml_path)
+
+
+def read_yaml(path: Path) -> dict:
+    """The option: value mapping of a recipe; a float such as 1e-5 reads as a number
+    (PyYAML alone reads it as text; mlx-lm's loader reads it so too)."""
+    import yaml
+
+    if not path.is_file():
+        raise UserError(f"config file {path} not found")
+    try:
+        config = yaml.load(path.read_text(), Loader=_recipe_loader(yaml)) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a mapping of option: value")
+    return config
+
+
+FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+def _recipe_loader(yaml):
+    class RecipeLoader(yaml.SafeLoader):
+        """SafeLoader that also reads 1e-5 (no dot) as a float."""
+
+    RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", FLOAT, list("-+0123456789."))
+    return RecipeLoader

@@ -3,8 +3,10 @@ or quantized (QLoRA) base, with mlx-lm's flags, YAML config and adapter files.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,39 +16,19 @@ from mlx.utils import tree_flatten
 from ..atomic import remove_stale_temporaries
 from ..errors import UserError
 from .data import LengthGroupedBatches, load_split
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_DEFAULTS, apply_lora, load_adapter_weights, load_adapters, save_adapters
+from .lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FINE_TUNE_TYPES,
+    LORA_DEFAULTS,
+    apply_lora,
+    load_adapter_weights,
+    load_adapters,
+    save_adapters,
+)
+from .options import Rule, check_options, one_of, positive, whole
 from .reporting import ProgressReporter
 from .trainer import TrainingArgs, TrainingDiverged, evaluate, train
-
-# The defaults of mlx_lm.lora, so a recipe means the same thing in both.
-DEFAULTS = {
-    "model": None,
-    "train": False,
-    "data": "data",
-    "fine_tune_type": "lora",
-    "optimizer": "adam",
-    "optimizer_config": {},
-    "mask_prompt": False,
-    "num_layers": 16,
-    "batch_size": 4,
-    "iters": 1000,
-    "val_batches": 25,
-    "learning_rate": 1e-5,
-    "steps_per_report": 10,
-    "steps_per_eval": 200,
-    "resume_adapter_file": None,
-    "adapter_path": "adapters",
-    "save_every": 100,
-    "test": False,
-    "test_batches": 500,
-    "max_seq_length": 2048,
-    "grad_checkpoint": False,
-    "grad_accumulation_steps": 1,
-    "lr_schedule": None,
-    "lora_parameters": dict(LORA_DEFAULTS),
-    "seed": 0,
-    "log_grad_norms": False,
-}
 
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "adafactor": optim.Adafactor}
 SCHEDULES = {
@@ -57,42 +39,102 @@ SCHEDULES = {
 }
 
 
-def merge_config(flags: dict, yaml_path: str | None) -> dict:
-    """Flags given on the command line win over the YAML file, which wins over defaults."""
-    config = dict(DEFAULTS)
-    if yaml_path:
-        config.update(read_yaml(Path(yaml_path)))
-    config.update({k: v for k, v in flags.items() if v is not None and k in DEFAULTS})
-    config["lora_parameters"] = {**LORA_DEFAULTS, **(config.get("lora_parameters") or {})}
-    if config["model"] is None:
-        raise UserError("no model: pass --model or set model in the -c config")
-    return config
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """What ``mlx-tfm lora`` runs with: ``mlx_lm.lora``'s options by its names (flags and
+    YAML keys) with its defaults, so a recipe means the same thing in both. Checked when
+    created: a bad value is one line naming the option. Build it with ``from_dict``."""
+
+    model: str | None = None
+    train: bool = False
+    data: str = "data"
+    fine_tune_type: str = "lora"
+    optimizer: str = "adam"
+    optimizer_config: dict = field(default_factory=dict)  # {optimizer name: {its keyword arguments}}
+    mask_prompt: bool = False
+    num_layers: int = 16  # -1: every layer
+    batch_size: int = 4
+    iters: int = 1000
+    val_batches: int = 25  # -1: all
+    learning_rate: float = 1e-5
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    resume_adapter_file: str | None = None
+    adapter_path: str = "adapters"
+    save_every: int = 100
+    test: bool = False
+    test_batches: int = 500  # -1: all
+    max_seq_length: int = 2048
+    grad_checkpoint: bool = False
+    grad_accumulation_steps: int = 1
+    lr_schedule: dict | None = None  # {name, arguments, warmup, warmup_init}
+    lora_parameters: dict = field(default_factory=lambda: dict(LORA_DEFAULTS))  # rank, scale, dropout, keys
+    seed: int = 0
+    log_grad_norms: bool = False
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str | None = None) -> "FinetuneOptions":
+        """Options from ``values`` by name (None: the default); ``lora_parameters`` fills
+        in the LoRA defaults it leaves out. ``source`` (a recipe file) names where an
+        unknown option came from."""
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UserError(f"{source + ': ' if source else ''}unknown option(s) {', '.join(unknown)}")
+        given = {name: value for name, value in values.items() if value is not None}
+        if isinstance(given.get("lora_parameters"), dict):
+            given["lora_parameters"] = {**LORA_DEFAULTS, **given["lora_parameters"]}
+        return cls(**given)
+
+    def __post_init__(self):
+        if self.model is None:
+            raise UserError("no model: pass --model or set model in the -c config")
+        check_options(vars(self), FINETUNE_RULES, spell=_spelled)
+        check_options(self.lora_parameters, LORA_PARAMETER_RULES, spell=lambda name: f"lora_parameters.{name}")
+        if self.lr_schedule is not None:
+            _check_schedule(self.lr_schedule)
+        if not self.train and not self.test:
+            raise UserError("nothing to do: pass --train and/or --test")
 
 
-def read_yaml(path: Path) -> dict:
-    import yaml
-
-    if not path.is_file():
-        raise UserError(f"config file {path} not found")
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path} must hold a mapping of option: value")
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise UserError(f"{path}: unknown option(s) {', '.join(unknown)}")
-    return config
+FINETUNE_RULES = {
+    "model": Rule(str), "train": Rule(bool), "data": Rule(str), "fine_tune_type": one_of(FINE_TUNE_TYPES),
+    "optimizer": one_of(tuple(OPTIMIZERS)), "optimizer_config": Rule(dict, lambda v: all(isinstance(s, dict) for s in v.values()), "a mapping of optimizer name to its settings"),
+    "mask_prompt": Rule(bool),
+    "num_layers": Rule(int, lambda v: v == -1 or v >= 1, "-1 (every layer) or a whole number >= 1"),
+    "batch_size": whole(1), "iters": whole(1), "val_batches": Rule(int), "learning_rate": positive(),
+    "steps_per_report": whole(1), "steps_per_eval": whole(0), "resume_adapter_file": Rule(str, optional=True),
+    "adapter_path": Rule(str), "save_every": whole(1), "test": Rule(bool), "test_batches": Rule(int),
+    "max_seq_length": whole(2), "grad_checkpoint": Rule(bool), "grad_accumulation_steps": whole(1),
+    "lr_schedule": Rule(dict, optional=True), "lora_parameters": Rule(dict), "seed": whole(0),
+    "log_grad_norms": Rule(bool),
+}  # fmt: skip
+FLAGLESS = ("optimizer_config", "lr_schedule", "lora_parameters")  # YAML only
 
 
-def build_schedule(config: dict):
-    """mlx-lm's ``lr_schedule`` {name, arguments, warmup, warmup_init}, or a constant rate."""
-    spec = config["lr_schedule"]
-    if not spec:
-        return config["learning_rate"]
+def _spelled(name: str) -> str:
+    return name if name in FLAGLESS else f"{name} (--{name.replace('_', '-')})"
+
+
+LORA_PARAMETER_RULES = {
+    "rank": whole(1),
+    "scale": Rule(float),
+    "dropout": Rule(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "keys": Rule(list, lambda v: all(isinstance(k, str) for k in v), "a list of module names", optional=True),
+}
+
+
+def _check_schedule(spec: dict) -> None:
     if spec.get("name") not in SCHEDULES:
         raise UserError(f"unknown lr_schedule name {spec.get('name')!r} ({', '.join(SCHEDULES)})")
+    if not isinstance(spec.get("arguments", []), list):
+        raise UserError(f"lr_schedule.arguments must be a list, not {spec['arguments']!r}")
+
+
+def build_schedule(options: FinetuneOptions):
+    """mlx-lm's ``lr_schedule`` {name, arguments, warmup, warmup_init}, or a constant rate."""
+    spec = options.lr_schedule
+    if not spec:
+        return options.learning_rate
     arguments = spec.get("arguments", [])
     schedule = SCHEDULES[spec["name"]](*arguments)
     warmup = spec.get("warmup", 0)
@@ -102,17 +144,14 @@ def build_schedule(config: dict):
     return optim.join_schedules([ramp, schedule], [warmup + 1])
 
 
-def build_optimizer(config: dict) -> optim.Optimizer:
-    name = config["optimizer"]
-    if name not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer {name!r} ({', '.join(OPTIMIZERS)})")
-    options = dict((config.get("optimizer_config") or {}).get(name, {}))
-    return OPTIMIZERS[name](learning_rate=build_schedule(config), **options)
+def build_optimizer(options: FinetuneOptions) -> optim.Optimizer:
+    keywords = dict(options.optimizer_config.get(options.optimizer, {}))
+    return OPTIMIZERS[options.optimizer](learning_rate=build_schedule(options), **keywords)
 
 
-def load_examples(config: dict, split: str, tokenizer):
-    examples = load_split(Path(config["data"]), split, tokenizer, config["max_seq_length"])
-    if not config["mask_prompt"]:
+def load_examples(options: FinetuneOptions, split: str, tokenizer):
+    examples = load_split(Path(options.data), split, tokenizer, options.max_seq_length)
+    if not options.mask_prompt:
         examples = [(tokens, 0) for tokens, _ in examples]
     return examples
 
@@ -123,85 +162,85 @@ def describe_trainable(model) -> str:
     return f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)"
 
 
-def saved_adapter_config(config: dict) -> dict:
+def saved_adapter_config(options: FinetuneOptions) -> dict:
     """adapter_config.json: mlx-lm keeps the whole training configuration there."""
-    params = config["lora_parameters"]
-    return {
-        **{k: v for k, v in config.items() if k not in ("lora_parameters", "config")},
-        "lora_parameters": {**params, "keys": params.get("keys")},
-    }
+    config = dataclasses.asdict(options)
+    config["lora_parameters"] = {**options.lora_parameters, "keys": options.lora_parameters.get("keys")}
+    return config
 
 
-def finetune(config: dict) -> int:
+def finetune(options: FinetuneOptions) -> int:
     from ..loading import load
 
-    if not config["train"] and not config["test"]:
-        raise UserError("nothing to do: pass --train and/or --test")
-    if not Path(config["data"]).is_dir():
-        raise UserError(f"--data {config['data']} is not a folder with train/valid/test .jsonl files")
-    mx.random.seed(config["seed"])
-    model, tokenizer = load(config["model"])
-    adapter_path = Path(config["adapter_path"]).expanduser()
-    if config["train"]:
-        train_set = load_examples(config, "train", tokenizer)
-        valid_set = load_examples(config, "valid", tokenizer)
-        test_set = load_examples(config, "test", tokenizer) if config["test"] else None
-        run_training(model, tokenizer, config, train_set, valid_set, adapter_path)
+    if not Path(options.data).is_dir():
+        raise UserError(f"--data {options.data} is not a folder with train/valid/test .jsonl files")
+    mx.random.seed(options.seed)
+    model, tokenizer = load(options.model)
+    adapter_path = Path(options.adapter_path).expanduser()
+    if options.train:
+        train_set = load_examples(options, "train", tokenizer)
+        valid_set = load_examples(options, "valid", tokenizer)
+        test_set = load_examples(options, "test", tokenizer) if options.test else None
+        run_training(model, options, train_set, valid_set, adapter_path)
     else:
-        test_set = load_examples(config, "test", tokenizer)
+        test_set = load_examples(options, "test", tokenizer)
         if (adapter_path / ADAPTER_CONFIG).is_file():
             load_adapters(model, adapter_path)
     if test_set is not None:
         model.eval()
-        batches = LengthGroupedBatches(test_set, config["batch_size"], config["seed"]).evaluation(config["test_batches"])
+        batches = LengthGroupedBatches(test_set, options.batch_size, options.seed).evaluation(options.test_batches)
         test_loss = evaluate(model, batches)
         print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(min(test_loss, 700)):.3f}.")
     return 0
 
 
-def run_training(model, tokenizer, config: dict, train_set, valid_set, adapter_path: Path) -> None:
-    params = config["lora_parameters"]
+def training_args(options: FinetuneOptions) -> TrainingArgs:
+    return TrainingArgs(
+        batch_size=options.batch_size,
+        iters=options.iters,
+        val_batches=options.val_batches,
+        steps_per_report=options.steps_per_report,
+        steps_per_eval=options.steps_per_eval,
+        steps_per_save=options.save_every,
+        grad_accumulation_steps=options.grad_accumulation_steps,
+        grad_checkpoint=options.grad_checkpoint,
+        log_grad_norms=options.log_grad_norms,
+        seed=options.seed,
+    )
+
+
+def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path) -> None:
+    params = options.lora_parameters
     apply_lora(
         model,
-        num_layers=config["num_layers"],
-        fine_tune_type=config["fine_tune_type"],
+        num_layers=options.num_layers,
+        fine_tune_type=options.fine_tune_type,
         rank=params["rank"],
         scale=params["scale"],
         dropout=params["dropout"],
         keys=params.get("keys"),
     )
-    if config["resume_adapter_file"]:
-        load_adapter_weights(model, Path(config["resume_adapter_file"]))
+    if options.resume_adapter_file:
+        load_adapter_weights(model, Path(options.resume_adapter_file))
     print(describe_trainable(model), file=sys.stderr)
     for stale in remove_stale_temporaries(adapter_path):
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
-    train_batches = LengthGroupedBatches(train_set, config["batch_size"], config["seed"])
-    valid_batches = LengthGroupedBatches(valid_set, config["batch_size"], config["seed"])
-    saved_config = saved_adapter_config(config)
+    train_batches = LengthGroupedBatches(train_set, options.batch_size, options.seed)
+    valid_batches = LengthGroupedBatches(valid_set, options.batch_size, options.seed)
+    saved_config = saved_adapter_config(options)
 
     def save(step: int) -> Path:
         save_adapters(adapter_path, model, saved_config)
         return adapter_path / ADAPTER_WEIGHTS
 
-    reporter = ProgressReporter(config["iters"], save=save)
-    args = TrainingArgs(
-        batch_size=config["batch_size"],
-        iters=config["iters"],
-        val_batches=config["val_batches"],
-        steps_per_report=config["steps_per_report"],
-        steps_per_eval=config["steps_per_eval"],
-        steps_per_save=config["save_every"],
-        grad_accumulation_steps=config["grad_accumulation_steps"],
-        grad_checkpoint=config["grad_checkpoint"],
-        log_grad_norms=config["log_grad_norms"],
-        seed=config["seed"],
-    )
+    reporter = ProgressReporter(options.iters, save=save)
     try:
-        train(model, build_optimizer(config), train_batches.batch, lambda: valid_batches.evaluation(args.val_batches), args, reporter)
+        train(model, build_optimizer(options), train_batches.batch,
+              lambda: valid_batches.evaluation(options.val_batches), training_args(options), reporter)
     except TrainingDiverged as e:
         reporter.close()
-        kept = f"the last good adapters are in {adapter_path}" if (adapter_path / ADAPTER_WEIGHTS).is_file() else "no adapters were saved"
-        raise UserError(f"{e}; {kept}") from None
+        saved = (adapter_path / ADAPTER_WEIGHTS).is_file()
+        raise UserError(f"{e}; " + (f"the last good adapters are in {adapter_path}" if saved else "no adapters were saved")) from None
     finally:
         reporter.close()
     print(f"Saved final weights to {adapter_path / ADAPTER_WEIGHTS}.")

@@ -6,9 +6,10 @@ checkpoints under ``checkpoints/``, ``training_log.json`` and the PNG plots.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,12 +20,56 @@ from ..errors import UserError
 from ..model import Model, count_parameters
 from .checkpoints import CHECKPOINTS, list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
 from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer, tokenizer_folder
+from .options import Rule, check_options, non_negative, positive, whole
 from .presets import model_args_for
 from .reporting import ProgressReporter
 from .schedule import warmup_cosine
 from .trainer import TrainingArgs, TrainingDiverged, train
 
-# Flags that fix the trajectory and its record: a resumed run takes them from its checkpoint.
+@dataclass(frozen=True)
+class PretrainOptions:
+    """What ``mlx-tfm train`` runs with: its flags by name, with their defaults. Checked
+    when created: a bad value is one line naming the flag."""
+
+    data: str
+    config: str = "tiny"  # a preset (micro, tiny, small) or a ModelArgs JSON file
+    tokenizer: str = "byte"
+    output: str = "trained_model"
+    iters: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    learning_rate: float = 1e-3
+    min_learning_rate: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: off
+    grad_accumulation_steps: int = 1
+    grad_checkpoint: bool = False
+    val_fraction: float = 0.1
+    val_batches: int = 10  # <= 0: all
+    steps_per_report: int = 10
+    steps_per_eval: int = 100  # 0: never
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    log_grad_norms: bool = False
+    resume: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        check_options(vars(self), PRETRAIN_RULES, spell=lambda name: "--" + name.replace("_", "-"))
+
+
+PRETRAIN_RULES = {
+    "data": Rule(str), "config": Rule(str), "tokenizer": Rule(str), "output": Rule(str),
+    "iters": whole(1), "batch_size": whole(1), "seq_len": whole(1),
+    "learning_rate": positive(), "min_learning_rate": non_negative(), "warmup_steps": whole(0),
+    "weight_decay": non_negative(), "grad_clip": non_negative(), "grad_accumulation_steps": whole(1),
+    "grad_checkpoint": Rule(bool), "val_fraction": Rule(float, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "val_batches": Rule(int), "steps_per_report": whole(1), "steps_per_eval": whole(0), "save_every": whole(1),
+    "keep_checkpoints": whole(1), "log_grad_norms": Rule(bool), "resume": Rule(bool), "seed": whole(0),
+}  # fmt: skip
+
+# Options that fix the trajectory and its record: a resumed run takes them from its checkpoint.
 TRAJECTORY = (
     "config", "tokenizer", "data", "val_fraction", "iters", "batch_size", "seq_len", "learning_rate",
     "min_learning_rate", "warmup_steps", "weight_decay", "grad_clip", "grad_accumulation_steps", "seed",
@@ -32,48 +77,58 @@ TRAJECTORY = (
 )  # fmt: skip
 
 
-def restore_settings(args: argparse.Namespace, checkpoint: Path, names: tuple[str, ...]) -> dict:
-    """Put the checkpoint's trajectory settings back into ``args``; return its loop state."""
+def restore_settings(options: PretrainOptions, checkpoint: Path) -> tuple[PretrainOptions, dict]:
+    """The options with the checkpoint's trajectory settings put back, and its loop state."""
     state = json.loads((checkpoint / "trainer" / "state.json").read_text())
-    for name in names:
-        setattr(args, name, state["settings"][name])
-    return state
+    return dataclasses.replace(options, **{name: state["settings"][name] for name in TRAJECTORY}), state
 
 
-def build_optimizer(args: argparse.Namespace) -> optim.Optimizer:
-    schedule = warmup_cosine(args.learning_rate, args.iters, args.warmup_steps, args.min_learning_rate)
-    return optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
+def build_optimizer(options: PretrainOptions) -> optim.Optimizer:
+    schedule = warmup_cosine(options.learning_rate, options.iters, options.warmup_steps, options.min_learning_rate)
+    return optim.AdamW(learning_rate=schedule, weight_decay=options.weight_decay)
 
 
-def validate_flags(args: argparse.Namespace) -> None:
-    for name in ("iters", "batch_size", "seq_len", "grad_accumulation_steps", "save_every", "steps_per_report"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+def training_args(options: PretrainOptions) -> TrainingArgs:
+    return TrainingArgs(
+        batch_size=options.batch_size,
+        iters=options.iters,
+        val_batches=options.val_batches,
+        steps_per_report=options.steps_per_report,
+        steps_per_eval=options.steps_per_eval,
+        steps_per_save=options.save_every,
+        grad_accumulation_steps=options.grad_accumulation_steps,
+        grad_clip=options.grad_clip or None,
+        grad_checkpoint=options.grad_checkpoint,
+        log_grad_norms=options.log_grad_norms,
+        seed=options.seed,
+    )
 
 
-def pretrain(args: argparse.Namespace) -> int:
-    output = Path(args.output).expanduser()
+def pretrain(options: PretrainOptions) -> int:
+    output = Path(options.output).expanduser()
     for stale in remove_stale_temporaries(output) + remove_stale_temporaries(output / CHECKPOINTS):
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     checkpoints = list_checkpoints(output)
-    if checkpoints and not args.resume:
+    if checkpoints and not options.resume:
         raise UserError(f"{output} already has checkpoints; pass --resume to continue, or choose another --output")
-    if args.resume and not checkpoints:
+    if options.resume and not checkpoints:
         raise UserError(f"--resume: {output} has no checkpoint to continue from")
-    state = restore_settings(args, checkpoints[-1], TRAJECTORY) if args.resume else None
-    validate_flags(args)
+    state = None
+    if options.resume:
+        options, state = restore_settings(options, checkpoints[-1])
 
-    tokenizer = load_training_tokenizer(args.tokenizer)
-    tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else tokenizer_folder(args.tokenizer)
-    model_args = model_args_for(args.config, tokenizer.vocab_size)
+    tokenizer = load_training_tokenizer(options.tokenizer)
+    tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else tokenizer_folder(options.tokenizer)
+    model_args = model_args_for(options.config, tokenizer.vocab_size)
     config = model_config(model_args, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
-    train_tokens, valid_tokens = load_corpus(args.data, tokenizer, args.val_fraction)
-    windows = TokenWindows(train_tokens, args.batch_size, args.seq_len, args.seed)
-    valid = TokenWindows(valid_tokens, args.batch_size, args.seq_len, args.seed) if len(valid_tokens) > args.seq_len + 1 else None
+    train_tokens, valid_tokens = load_corpus(options.data, tokenizer, options.val_fraction)
+    windows = TokenWindows(train_tokens, options.batch_size, options.seq_len, options.seed)
+    has_valid = len(valid_tokens) > options.seq_len + 1
+    valid = TokenWindows(valid_tokens, options.batch_size, options.seq_len, options.seed) if has_valid else None
 
-    mx.random.seed(args.seed)
+    mx.random.seed(options.seed)
     model = Model(model_args)
-    optimizer = build_optimizer(args)
+    optimizer = build_optimizer(options)
     start_step = 0
     if state is not None:
         load_checkpoint(checkpoints[-1], model, optimizer)
@@ -86,30 +141,18 @@ def pretrain(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    settings = {name: getattr(args, name) for name in TRAJECTORY}
-    reporter = ProgressReporter(args.iters, start_step, state["history"] if state else None)
+    settings = {name: getattr(options, name) for name in TRAJECTORY}
+    reporter = ProgressReporter(options.iters, start_step, state["history"] if state else None)
 
     def save(step: int) -> Path:
         loop_state = {"settings": settings, "history": reporter.history}
-        return save_checkpoint(output, step, model, optimizer, config, tokenizer_source, loop_state, args.keep_checkpoints)
+        return save_checkpoint(output, step, model, optimizer, config, tokenizer_source, loop_state,
+                               options.keep_checkpoints)
 
     reporter.save = save
-    training_args = TrainingArgs(
-        batch_size=args.batch_size,
-        iters=args.iters,
-        val_batches=args.val_batches,
-        steps_per_report=args.steps_per_report,
-        steps_per_eval=args.steps_per_eval,
-        steps_per_save=args.save_every,
-        grad_accumulation_steps=args.grad_accumulation_steps,
-        grad_clip=args.grad_clip or None,
-        grad_checkpoint=args.grad_checkpoint,
-        log_grad_norms=args.log_grad_norms,
-        seed=args.seed,
-    )
-    valid_batches = (lambda: valid.evaluation(args.val_batches)) if valid is not None else None
+    valid_batches = (lambda: valid.evaluation(options.val_batches)) if valid is not None else None
     try:
-        train(model, optimizer, windows.batch, valid_batches, training_args, reporter, start_step)
+        train(model, optimizer, windows.batch, valid_batches, training_args(options), reporter, start_step)
     except KeyboardInterrupt:
         reporter.close()
         print(f"\ninterrupted; {_last_checkpoint_note(output)}", file=sys.stderr)
@@ -120,7 +163,7 @@ def pretrain(args: argparse.Namespace) -> int:
     finally:
         reporter.close()
     publish_model(output, model, config, tokenizer_source)
-    finish(output, reporter.history, args)
+    finish(output, reporter.history, options)
     return 0
 
 
@@ -137,11 +180,11 @@ def publish_model(output: Path, model, config: dict, tokenizer_source) -> None:
         write_model(staging, model, config, tokenizer_source)
 
 
-def finish(output: Path, history: dict, args: argparse.Namespace) -> None:
+def finish(output: Path, history: dict, options: PretrainOptions) -> None:
     from .plots import plot_grad_norms, plot_losses
 
     write_json(output / "training_log.json", history)
-    plot_losses(output / "loss_curve.png", history["train"], history["valid"], title=f"pre-training {args.config}")
+    plot_losses(output / "loss_curve.png", history["train"], history["valid"], title=f"pre-training {options.config}")
     print(f"Saved the model to {output} and the loss curve to {output / 'loss_curve.png'}")
     if history["grad_norms"]:
         plot_grad_norms(output / "grad_norms.png", history["grad_norm_steps"], history["grad_norms"])

@@ -27,8 +27,10 @@ from ..errors import UserError
 from .data import Batch
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingArgs:
+    """What the loop needs (the commands build it from their options)."""
+
     batch_size: int = 4
     iters: int = 1000
     val_batches: int = 25  # <= 0: the whole validation set
