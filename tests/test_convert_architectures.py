@@ -265,3 +265,15 @@ def test_unsupported_family_options_are_one_line(model_type, keys, message, tmp_
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **keys}))
     capsys.readouterr()  # transformers' progress bars
     assert message in convert_error(capsys, "--hf-path", tmp_path / "hf", "--mlx-path", tmp_path / "out")
+
+
+def test_exaone4_letter_pattern_layout():
+    """EXAONE 4 hub configs spell the window pattern in letters ("LLLG"); it reads as the
+    layer_types transformers 5 derives."""
+    from mlx_tfm.families import model_args_from_config
+
+    theirs = transformers_config_dict("exaone4", TINY_CONFIGS["exaone4"])
+    assert theirs["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    letters = {k: v for k, v in theirs.items() if k != "layer_types"}
+    letters["sliding_window_pattern"] = "LG"
+    assert model_args_from_config(letters) == model_args_from_config(theirs)

@@ -197,6 +197,28 @@ def test_family_gguf_q8_0_blocks(name, tmp_path, bpe):
     assert np.abs(our_logits(tmp_path / "out", IDS) - reference).max() < 0.05 * np.abs(reference).max()
 
 
+def test_unsupported_gguf_rope_scaling(tmp_path, bpe, capsys):
+    """A scaling we do not compute is one line, not a model rotating wrongly."""
+    import gguf
+
+    tokens, _, _ = bpe
+    make_hf_model("qwen3", tmp_path / "hf", vocab_size=len(tokens))
+    real_writer = gguf.GGUFWriter.add_rope_freq_base
+
+    def with_longrope(writer, value):
+        real_writer(writer, value)
+        writer.add_string("qwen3.rope.scaling.type", "longrope")
+
+    gguf.GGUFWriter.add_rope_freq_base = with_longrope
+    try:
+        write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, "qwen2"))
+    finally:
+        gguf.GGUFWriter.add_rope_freq_base = real_writer
+    capsys.readouterr()
+    err = convert_error(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
+    assert "rope scaling 'longrope' is not supported" in err
+
+
 def test_qwen3moe_gguf_config_as_transformers_reads_it(tmp_path):
     """The expert counts and sizes of a Qwen3-MoE GGUF, against transformers' GGUF reader."""
     import gguf
