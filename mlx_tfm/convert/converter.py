@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def convert(
     )
     config = output_config(source.config, quantization, dtype_name(weights))
     for stale in remove_stale_temporaries(target.parent, target.name):
-        log(f"removed {stale}, left by an interrupted run")
+        print(f"removed {stale}, left by an interrupted run", file=sys.stderr)  # a warning, even when quiet
     names = save_model_folder(target, config, weights, source.files, max_bytes, overwrite)
     log(f"wrote {target} ({describe(weights, quantization, config['torch_dtype'])}, {len(names)} weight file(s))")
     return target
