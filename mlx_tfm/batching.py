@@ -130,6 +130,17 @@ class Row:
                      generation_tokens=self.generated, error=error)
 
 
+@dataclass
+class DecodeStep:
+    """A decoding step queued for ``rows``: its outputs, computed or still being computed."""
+
+    rows: list[Row]
+    tokens: mx.array  # (B,)
+    logprobs: mx.array  # (B,) of the chosen tokens
+    log_norms: mx.array  # (B,) log-sum-exp of the logits; NaN when the logits were
+    top: tuple  # () or (top logprobs (B, k), their ids (B, k))
+
+
 def one_line(error: BaseException) -> str:
     if isinstance(error, UserError):
         return str(error).splitlines()[0] if str(error) else "invalid request"
@@ -169,6 +180,7 @@ class Engine:
         self._decode_cache = empty_batch(self.windows)
         self._settings: BatchSettings | None = None  # of the running rows; None: rebuild
         self._keys: mx.array | None = None  # (B, 2) the running rows' random keys
+        self._in_flight: DecodeStep | None = None  # queued last round, collected next round
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats_lock = threading.Lock()
@@ -260,7 +272,7 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Whether any admitted request is unfinished."""
-        return bool(self._waiting or self._prefilling or self._running)
+        return bool(self._waiting or self._prefilling or self._running or self._in_flight)
 
     def step(self) -> bool:
         """One round: new requests and cancellations, one prefill chunk, one decoding step.
@@ -373,56 +385,107 @@ class Engine:
 
     # -- decoding --------------------------------------------------------------------------------
     def _decode(self) -> None:
+        """Queue the next decoding step, then hand out the tokens of the one queued in the
+        previous round: MLX computes a step while this thread detokenizes and sends the
+        last one (as ``generate_step`` does). The next step feeds the previous one's tokens
+        without waiting for their values, so a row that finishes there computes one step
+        more, never shown. Rows with logits processors need every token's value first:
+        then each step is collected at once."""
+        previous, self._in_flight = self._in_flight, None
+        in_order = any(r.processors for r in self._running)
+        if previous is not None and (in_order or not self._can_follow(previous)):
+            self._collect(previous)
+            previous = None
+        step = self._queue(previous) if self._running else None
+        if previous is not None:
+            self._collect(previous)
+        if step is not None and in_order:
+            self._collect(step)
+        elif step is not None:
+            self._in_flight = step
+
+    def _can_follow(self, previous: "DecodeStep") -> bool:
+        """Whether the running rows are the previous step's (finished ones gone), newcomers
+        after them: then its tokens feed the next step unread."""
+        carried = {r.id for r in previous.rows}
+        n = sum(r.id in carried for r in self._running)
+        return all(r.id in carried for r in self._running[:n])
+
+    def _queue(self, previous: "DecodeStep | None") -> "DecodeStep | None":
+        """Build one forward pass and sampling for every running row and start computing it."""
         rows = self._running
-        if not rows:
-            return
-        if self._settings is None:
-            self._settings = BatchSettings([r.settings for r in rows])
-            self._keys = mx.stack([r.key for r in rows])
-        inputs = mx.array([r.tokens[r.fed] for r in rows])[:, None]  # (B, 1)
         try:
-            outputs = self._forward(rows, inputs)
+            if self._settings is None:
+                self._settings = BatchSettings([r.settings for r in rows])
+                self._keys = mx.stack([r.key for r in rows])
+            logits = self.model(self._inputs(rows, previous), cache=self._decode_cache)[:, -1, :]  # (B, V)
+            for row in rows:
+                row.fed += 1
+            logits = self._process(rows, logits)
+            log_norm = mx.logsumexp(logits, axis=-1)  # (B,)
+            logprobs = logits - log_norm[:, None]
+            tokens, keys = sample_rows(logprobs, self._settings, self._keys)
+            chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+            k = max(r.request.top_logprobs for r in rows)
+            top = top_logprobs(logprobs, k) if k else ()
+            mx.async_eval(tokens, keys, chosen, log_norm, *top)
         except Exception as error:
-            log.exception("decoding step failed")
-            self._fail(rows, error)
-            self._running, self._decode_cache, self._settings = [], empty_batch(self.windows), None
+            self._fail_decoding(error)
+            return None
+        self._keys = keys
+        return DecodeStep(list(rows), tokens, chosen, log_norm, top)
+
+    @staticmethod
+    def _inputs(rows: list[Row], previous: "DecodeStep | None") -> mx.array:
+        """The token each row feeds, (B, 1): the previous step's output (not yet read) for
+        the rows it had, the last prompt token for rows that just joined."""
+        if previous is None:
+            return mx.array([r.tokens[r.fed] for r in rows])[:, None]
+        position = {r.id: i for i, r in enumerate(previous.rows)}
+        carried = [position[r.id] for r in rows if r.id in position]
+        fresh = [r.tokens[r.fed] for r in rows if r.id not in position]
+        parts = []
+        if carried:
+            same = carried == list(range(len(previous.rows)))
+            parts.append(previous.tokens if same else previous.tokens[mx.array(carried)])
+        if fresh:
+            parts.append(mx.array(fresh, dtype=previous.tokens.dtype))
+        return mx.concatenate(parts)[:, None]
+
+    def _collect(self, step: "DecodeStep") -> None:
+        """Wait for a queued step and send its events; finished rows leave the batch."""
+        try:
+            tokens, chosen, log_norms = step.tokens.tolist(), step.logprobs.tolist(), step.log_norms.tolist()
+            alternatives = [None] * len(step.rows)
+            if step.top:
+                values, ids = step.top[0].tolist(), step.top[1].tolist()
+                alternatives = [list(zip(ids[i][: r.request.top_logprobs], values[i][: r.request.top_logprobs]))
+                                for i, r in enumerate(step.rows)]
+        except Exception as error:
+            self._fail_decoding(error, step.rows)
             return
-        tokens, logprobs, log_norms, alternatives = outputs
-        for i, row in enumerate(rows):
-            row.fed += 1
-            if row.finish_reason is not None:  # its processor failed
+        for i, row in enumerate(step.rows):
+            if row.finish_reason is not None:  # cancelled, failed, or finished a step earlier
                 continue
             if math.isnan(log_norms[i]):
                 self._fail([row], "the model produced NaN logits")
                 continue
-            self._advance(row, tokens[i], logprobs[i], alternatives[i])
+            self._advance(row, tokens[i], chosen[i], alternatives[i])
         with self._stats_lock:
-            self._stats["generation_tokens_total"] += len(rows)
+            self._stats["generation_tokens_total"] += len(step.rows)
             now = time.perf_counter()
-            self._recent.append((now, len(rows)))
+            self._recent.append((now, len(step.rows)))
             while self._recent and now - self._recent[0][0] > TPS_WINDOW_S:
                 self._recent.popleft()
         self._drop_finished()
 
-    def _forward(self, rows: list[Row], inputs: mx.array):
-        """One forward pass and sampling for every row, as Python lists: tokens, their
-        logprobs, the log-sum-exps of the logits, and per row its top (id, logprob) pairs."""
-        logits = self.model(inputs, cache=self._decode_cache)[:, -1, :]  # (B, V)
-        logits = self._process(rows, logits)
-        log_norm = mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, 1)
-        logprobs = logits - log_norm
-        tokens, keys = sample_rows(logprobs, self._settings, self._keys)
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        k = max(r.request.top_logprobs for r in rows)
-        top = top_logprobs(logprobs, k) if k else ()
-        mx.eval(tokens, keys, chosen, log_norm, *top)
-        self._keys = keys
-        alternatives = [None] * len(rows)
-        if top:
-            values, ids = top[0].tolist(), top[1].tolist()
-            alternatives = [list(zip(ids[i][: r.request.top_logprobs], values[i][: r.request.top_logprobs]))
-                            for i, r in enumerate(rows)]
-        return tokens.tolist(), chosen.tolist(), log_norm[:, 0].tolist(), alternatives
+    def _fail_decoding(self, error: Exception, rows: list[Row] = ()) -> None:
+        """A decoding step raised: every row of the decoding batch fails; prefilling and
+        waiting requests go on."""
+        log.error("decoding step failed", exc_info=error)
+        self._fail(list(rows) + self._running, error)
+        self._running, self._decode_cache = [], empty_batch(self.windows)
+        self._settings = self._keys = self._in_flight = None
 
     def _process(self, rows: list[Row], logits: mx.array) -> mx.array:
         """Each row's processors on its own logits (1, V); a processor that raises fails only
@@ -524,7 +587,7 @@ class Engine:
     def _reset_batches(self) -> None:
         self._prefilling, self._prefill_cache = [], empty_batch(self.windows)
         self._running, self._decode_cache = [], empty_batch(self.windows)
-        self._settings = self._keys = None
+        self._settings = self._keys = self._in_flight = None
 
 
 def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | list[int] = 256,

@@ -513,8 +513,9 @@ def test_a_second_turn_reuses_the_first_and_answers_as_a_cold_run(stories):
     cold_collector = Collector()
     cold.submit(Request(second, 30), cold_collector("turn2"))
     run_until_done(cold)
-    # the cache holds the first prompt and every answer token fed back (the last was never fed)
-    assert collector.last("turn2").cached_tokens == len(first) + 30 - 1
+    # the cache holds the first prompt and the answer tokens fed back (the last one too when
+    # the engine had queued one more step)
+    assert len(first) + 29 <= collector.last("turn2").cached_tokens <= len(first) + 30
     assert cold_collector.last("turn2").cached_tokens == 0
     assert collector.tokens("turn2") == cold_collector.tokens("turn2")
     assert collector.tokens("turn2") == reference_tokens(model, tokenizer, second, 30)[0]
