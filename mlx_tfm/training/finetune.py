@@ -98,7 +98,9 @@ class FinetuneOptions:
 
 FINETUNE_RULES = {
     "model": Rule(str), "train": Rule(bool), "data": Rule(str), "fine_tune_type": one_of(FINE_TUNE_TYPES),
-    "optimizer": one_of(tuple(OPTIMIZERS)), "optimizer_config": Rule(dict, lambda v: all(isinstance(s, dict) for s in v.values()), "a mapping of optimizer name to its settings"),
+    "optimizer": one_of(tuple(OPTIMIZERS)),
+    "optimizer_config": Rule(dict, lambda v: all(isinstance(s, dict) for s in v.values()),
+                             "a mapping of optimizer name to its settings"),
     "mask_prompt": Rule(bool),
     "num_layers": Rule(int, lambda v: v == -1 or v >= 1, "-1 (every layer) or a whole number >= 1"),
     "batch_size": whole(1), "iters": whole(1), "val_batches": Rule(int), "learning_rate": positive(),

@@ -26,6 +26,7 @@ from .reporting import ProgressReporter
 from .schedule import warmup_cosine
 from .trainer import TrainingArgs, TrainingDiverged, train
 
+
 @dataclass(frozen=True)
 class PretrainOptions:
     """What ``mlx-tfm train`` runs with: its flags by name, with their defaults. Checked
