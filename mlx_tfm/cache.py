@@ -294,3 +294,26 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
             layer_cache.meta_state = meta
         cache.append(layer_cache)
     return cache, metadata
+
+
+class CrossAttentionCache:
+    """What one decoder layer's cross-attention reads: the encoder's output (B, S, D) and
+    its padding mask (broadcastable to (B, n_heads, L, S), or None). The keys and values
+    (B, n_kv_heads, S, head_dim) are projected from it on first use and kept, so a whole
+    decoding run projects them once per input."""
+
+    def __init__(self, memory: mx.array, mask: mx.array | None = None):
+        self.memory = memory
+        self.mask = mask
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def fetch(self, project) -> tuple[mx.array, mx.array]:
+        """``project(memory) -> (keys, values)`` the first time; the kept pair after."""
+        if self.keys is None:
+            self.keys, self.values = project(self.memory)
+        return self.keys, self.values
+
+    @property
+    def state(self) -> tuple:
+        return () if self.keys is None else (self.keys, self.values)

@@ -11,6 +11,7 @@ from .cpu import specialize
 from .errors import UserError
 from .hub import resolve_model_path
 from .model import Model, ModelArgs
+from .sentence_modules import read_sentence_modules
 from .weights import build_model, has_safetensors, read_config, read_safetensors
 
 
@@ -35,6 +36,8 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model
     specialize(model)
     mx.eval(model.parameters())
     model.eval()
+    if model.args.kind == "encoder":
+        model.sentence_modules = read_sentence_modules(folder, config)
     return model, config
 
 

@@ -20,8 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import attention
-from .cache import KVCache, RotatingKVCache, window_mask
+from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .positions import SinusoidalPositions, make_rope, position_ids
+from .relative_positions import relative_position_bias
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,31 @@ class ModelArgs:
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0  # Cohere multiplies the logits, Granite divides them
     lm_head_bias: bool = False  # Phi-2
+    # the three architectures (README "Three architectures"): "decoder" (GPT, Llama),
+    # "encoder" (BERT family: bidirectional, mlx_tfm/encoders.py) or "encoder-decoder" (T5)
+    kind: str = "decoder"
+    # encoders' embeddings: token types (BERT), a norm over the summed embeddings (BERT,
+    # ModernBERT), learned positions after an offset (RoBERTa, XLM-R: padding_idx + 1)
+    type_vocab_size: int = 0
+    embedding_norm: bool = False
+    position_offset: int = 0
+    first_layer_norm: bool = True  # False: layer 0 reads the normed embeddings as they are (ModernBERT)
+    # T5: a learned bias per head for buckets of key - query distance (mlx_tfm/relative_positions.py)
+    relative_attention_num_buckets: int = 0
+    relative_attention_max_distance: int = 128
+    cross_attention: bool = False  # decoder blocks of an encoder-decoder: queries over the encoder's output
+    own_embeddings: bool = True  # False: the stack receives embedded inputs (T5's stacks share one table)
+    num_decoder_layers: int = 0  # encoder-decoder: 0 = num_hidden_layers
+    decoder_start_token_id: int = 0
+    # encoders' heads (mlx_tfm/heads.py): "none" (hidden states), "masked_lm", "classification"
+    head: str = "none"
+    num_labels: int = 0
+    head_activation: str = "gelu"  # masked LM: dense -> this -> LayerNorm -> decoder
+    head_bias: bool = True  # the heads' dense layers
+    decoder_bias: bool = True  # the masked-LM decoder's bias
+    classifier_pooling: str = "cls"  # "cls" | "mean"
+    classifier_activation: str = "tanh"
+    classifier_norm: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
@@ -217,6 +243,8 @@ class Attention(nn.Module):
         self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if isinstance(cache, CrossAttentionCache):
+            return self._cross_attention(x, cache)
         B, L, _ = x.shape
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm_scope == "projection":
@@ -238,6 +266,23 @@ class Attention(nn.Module):
         # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out)
+
+    def _cross_attention(self, x: mx.array, cross: CrossAttentionCache) -> mx.array:
+        """Queries from the decoder's ``x``, keys and values from the encoder's output,
+        projected once per input (``CrossAttentionCache``); no positions, no causal mask."""
+        B, L, _ = x.shape
+        # (B, L, n_heads * head_dim) -> (B, n_heads, L, head_dim)
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        keys, values = cross.fetch(self._project_memory)
+        out = attention(queries, keys, values, self.scale, cross.mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _project_memory(self, memory: mx.array) -> tuple[mx.array, mx.array]:
+        B, S, _ = memory.shape
+        # (B, S, n_kv_heads * head_dim) -> (B, n_kv_heads, S, head_dim)
+        keys = self.k_proj(memory).reshape(B, S, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        values = self.v_proj(memory).reshape(B, S, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return keys, values
 
 
 # Which norms each placement has, by their checkpoint names.
@@ -264,8 +309,15 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(args)
         for name in BLOCK_NORMS[self.placement]:
             setattr(self, name, make_norm(args))
+        if layer_idx == 0 and not args.first_layer_norm:
+            self.input_layernorm = nn.Identity()  # ModernBERT: the embeddings are normed already
+        if args.cross_attention:
+            if self.placement != "pre":
+                raise ValueError("cross-attention is only defined for the pre-norm placement")
+            self.cross_attn = Attention(args, layer_idx)
+            self.cross_attn_layernorm = make_norm(args)
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
         if not self.residual:
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
@@ -275,6 +327,8 @@ class TransformerBlock(nn.Module):
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
             h = x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache))
+            if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
+                h = h + self.cross_attn(self.cross_attn_layernorm(h), None, cross)
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
         if self.placement == "parallel":
             # Phi-2, Cohere: both sublayers read the same normalised x.
@@ -301,37 +355,91 @@ class TransformerBlock(nn.Module):
         return self.mlp(self.post_attention_layernorm(h))
 
 
+def bidirectional_window(mask, length: int, window: int):
+    """An encoder's sliding-window layer (ModernBERT's local attention): position i sees
+    j when |i - j| <= window, and j is a token (``mask`` (B, 1, 1, S) or None)."""
+    positions = mx.arange(length)
+    band = mx.abs(positions[:, None] - positions[None, :]) <= window  # (L, L)
+    return band if mask is None else band & mask
+
+
 class TransformerModel(nn.Module):
     """Embeddings, the stack of blocks, the final norm: ``model.*`` in checkpoints."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if args.own_embeddings:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         if args.position_embedding == "learned":
             self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
         elif args.position_embedding == "sinusoidal":
             self.sinusoidal = SinusoidalPositions(args.hidden_size)
+        if args.type_vocab_size:
+            self.embed_token_types = nn.Embedding(args.type_vocab_size, args.hidden_size)
+        if args.embedding_norm:
+            self.embed_norm = make_norm(args)
+        if args.relative_attention_num_buckets:
+            self.relative_attention_bias = nn.Embedding(args.relative_attention_num_buckets, args.num_attention_heads)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
         if args.final_norm:
             self.norm = make_norm(args)
 
-    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        B, L = inputs.shape
-        h = self.embed_tokens(inputs)  # (B, L, D)
+    def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
+                 cross: list[CrossAttentionCache] | None = None) -> mx.array:
+        """Token ids (B, L), or embedded inputs (B, L, D) when the stack does not own its
+        embeddings, -> hidden states (B, L, D). Encoders (kind "encoder") attend both ways:
+        ``mask`` is then their padding mask (B, 1, 1, S), True at tokens. ``cross``: one
+        ``CrossAttentionCache`` per layer of an encoder-decoder's decoder."""
+        B, L = inputs.shape[:2]
+        h = self.embed_tokens(inputs) if self.args.own_embeddings else inputs  # (B, L, D)
         if self.args.embedding_scale is not None:
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         offset = cache[0].offset if cache is not None else 0
         if self.args.position_embedding == "learned":
-            h = h + self.embed_positions(position_ids(offset, L))  # offset: int, or (B,) per row
+            positions = position_ids(offset, L) + self.args.position_offset  # offset: int, or (B,) per row
+            h = h + self.embed_positions(positions)
         elif self.args.position_embedding == "sinusoidal":
             h = h + self.sinusoidal(offset, L).astype(h.dtype)
+        if self.args.type_vocab_size:
+            types = token_type_ids if token_type_ids is not None else mx.zeros((B, L), mx.int32)
+            h = h + self.embed_token_types(types)
+        if self.args.embedding_norm:
+            h = self.embed_norm(h)
+        masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, layer_cache, window in zip(self.layers, cache, self.windows):
-            layer_mask = mask if mask is not None else self._mask(L, layer_cache, window)
-            h = layer(h, layer_mask, layer_cache)
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if cross is None:
+                h = layer(h, masks[i], layer_cache)
+            else:
+                h = layer(h, masks[i], layer_cache, cross[i])
         return self.norm(h) if self.args.final_norm else h
+
+    def _stack_masks(self, mask, length: int, cache, dtype: mx.Dtype) -> list:
+        """The mask each layer attends with (computed before any layer updates its cache).
+        Decoders: ``mask`` as given, else causal and windowed from each cache; encoders:
+        the padding ``mask`` both ways, banded on sliding-window layers; stacks with T5's
+        relative position bias: one additive mask shared by every layer."""
+        if self.args.relative_attention_num_buckets:
+            return [self._biased_mask(mask, length, cache, dtype)] * len(self.layers)
+        if self.args.kind == "encoder":
+            return [mask if window is None else bidirectional_window(mask, length, window) for window in self.windows]
+        caches = cache if cache is not None else [None] * len(self.layers)
+        return [mask if mask is not None else self._mask(length, c, w) for c, w in zip(caches, self.windows)]
+
+    def _biased_mask(self, mask, length: int, cache, dtype: mx.Dtype) -> mx.array:
+        """T5: the relative position bias (1, n_heads, L, S) of queries at the cache's
+        offset, with the padding (encoder) or causal (decoder) mask as the lowest number."""
+        offset = cache[0].offset if cache is not None else 0
+        encoder = self.args.kind == "encoder"
+        bias = relative_position_bias(self.relative_attention_bias.weight, range(offset, offset + length), offset + length,
+                                      encoder, self.args.relative_attention_max_distance).astype(dtype)
+        if encoder:
+            visible = mask
+        else:
+            visible = window_mask(mx.arange(offset, offset + length), mx.arange(offset + length), None) if length > 1 else None
+        return bias if visible is None else mx.where(visible, bias, mx.finfo(dtype).min)
 
     @staticmethod
     def _mask(length: int, cache, window: int | None):

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from .atomic import atomic_folder
 from .errors import UserError
 from .families import map_weights, model_args_from_config
+from .encoders import make_model
 from .model import Model, ModelArgs
 from .tokenizer import TOKENIZER_FILES
 
@@ -207,9 +208,10 @@ def model_args(config: dict, source: Path | str) -> ModelArgs:
 
 
 def empty_model(args: ModelArgs, source: Path | str) -> Model:
-    """The model ``args`` describes, its random initialisation lazy (never computed)."""
+    """The model ``args`` describes (its kind: decoder, encoder or encoder-decoder), its
+    random initialisation lazy (never computed)."""
     try:
-        return Model(args)
+        return make_model(args)
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"{source} does not describe a model we can build: {e}") from None
 
@@ -279,6 +281,7 @@ def write_model_files(folder: Path, config: dict, weights: dict, files: dict[str
     folder; returns the weight files' names."""
     names = save_weights(folder, weights, max_shard_bytes)
     for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)  # sentence-transformers' module folders
         (folder / name).write_bytes(data)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return names

@@ -18,16 +18,17 @@ LAYERS = {
     "mlx_tfm.cpu": 1,
     # 2 the math: the model and what it computes with
     "mlx_tfm.model": 2, "mlx_tfm.attention": 2, "mlx_tfm.cache": 2, "mlx_tfm.positions": 2, "mlx_tfm.sample": 2,
-    "mlx_tfm.experts": 2,
+    "mlx_tfm.experts": 2, "mlx_tfm.encoders": 2, "mlx_tfm.heads": 2, "mlx_tfm.relative_positions": 2,
     # 3 model families and weight I/O
     "mlx_tfm.families": 3, "mlx_tfm.weights": 3, "mlx_tfm.tokenizer": 3, "mlx_tfm.hub": 3,
+    "mlx_tfm.sentence_modules": 3,
     # 4 importers of foreign formats
     "mlx_tfm.convert": 4,
     # 5 running models: loading, generation, chat, training
     "mlx_tfm.loading": 5, "mlx_tfm.prompt_cache": 5, "mlx_tfm.generate": 5, "mlx_tfm.chat": 5,
     "mlx_tfm.chat_commands": 5, "mlx_tfm.training": 5, "mlx_tfm.batching": 5, "mlx_tfm.batch_cache": 5,
     "mlx_tfm.batch_sampling": 5, "mlx_tfm.prompt_cache_pool": 5, "mlx_tfm.inspect": 5,
-    "mlx_tfm.perplexity": 5, "mlx_tfm.speculative": 5, "mlx_tfm.distributed": 5, "mlx_tfm.encoders": 5,
+    "mlx_tfm.perplexity": 5, "mlx_tfm.speculative": 5, "mlx_tfm.distributed": 5, "mlx_tfm.embeddings": 5,
     # 6 interfaces: the command line, the server, the package's entry points
     "mlx_tfm.cli": 6, "mlx_tfm.server": 6, "mlx_tfm.convert.__main__": 6, "mlx_tfm.__main__": 6, "mlx_tfm": 6,
 }

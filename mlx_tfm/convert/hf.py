@@ -10,6 +10,7 @@ import mlx.core as mx
 from ..errors import UserError
 from ..weights import first_line, has_safetensors, quantization_of, read_config, read_safetensors, sharded_files, \
     tokenizer_files_of
+from ..sentence_modules import sentence_files
 from .sources import Source
 
 TORCH_INDEX = "pytorch_model.bin.index.json"
@@ -19,7 +20,29 @@ def read_hf_folder(folder: Path) -> Source:
     config = read_config(folder)
     quantization = quantization_of(config, folder)
     weights = read_safetensors(folder) if has_safetensors(folder) else read_torch_folder(folder)
-    return Source(config=config, weights=weights, files=tokenizer_files_of(folder), quantization=quantization)
+    files = {**tokenizer_files_of(folder), **sentence_module_files(folder)}
+    return Source(config=config, weights=weights, files=files, quantization=quantization)
+
+
+def sentence_module_files(folder: Path) -> dict[str, bytes]:
+    """sentence-transformers' module files, carried as they are; a module's PyTorch-only
+    weights (an older 2_Dense/pytorch_model.bin) become its model.safetensors."""
+    files = sentence_files(folder)
+    for name in [n for n in files if n.endswith("/pytorch_model.bin")]:
+        converted = name.rsplit("/", 1)[0] + "/model.safetensors"
+        del files[name]
+        if converted not in files:
+            files[converted] = safetensors_bytes(read_torch_files([folder / name]))
+    return files
+
+
+def safetensors_bytes(tensors: dict) -> bytes:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.safetensors"
+        mx.save_safetensors(str(path), tensors)
+        return path.read_bytes()
 
 
 def read_torch_folder(folder: Path) -> dict:

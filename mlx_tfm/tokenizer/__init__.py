@@ -24,6 +24,9 @@ TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
+    "spiece.model",  # T5, mT5
+    "sentencepiece.bpe.model",  # XLM-R
+    "vocab.txt",  # BERT's WordPiece
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",
@@ -52,6 +55,24 @@ class Tokenizer:
     # encoding and decoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens)
+
+    def encode_truncated(self, texts: list[str], pairs: list[str] | None = None, max_length: int | None = None
+                         ) -> list[tuple[list[int], list[int], bool]]:
+        """For encoders: (ids, token type ids, whether it was cut) of each text, or of each
+        (text, pair) as a cross-encoder reads them (``[CLS] a [SEP] b [SEP]``), with special
+        tokens, cut to ``max_length`` longest-first as transformers cuts."""
+        if not isinstance(self._backend, HFTokenizersBackend):
+            if pairs is not None:
+                raise UserError("text pairs need a tokenizer.json tokenizer")
+            encoded = [self.encode(text) for text in texts]
+            return [(ids[:max_length] if max_length else ids, [0] * len(ids[:max_length] if max_length else ids),
+                     bool(max_length) and len(ids) > max_length) for ids in encoded]
+        return self._backend.encode_truncated(texts, pairs, max_length)
+
+    def special_token_id(self, name: str) -> int | None:
+        """The id of a special token by its tokenizer_config name ("mask_token", "pad_token"...)."""
+        text = self.special_tokens.get(name)
+        return None if text is None else self._backend.token_to_id(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens (BOS, EOS...) are skipped."""
@@ -137,6 +158,30 @@ def _read_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     return _read_json(folder / "chat_template.json").get("chat_template")
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "cls_token", "sep_token")
+# SentencePiece tokenizers that end every text with EOS and start none with BOS (transformers'
+# T5Tokenizer); their tokenizer_config.json names the class but not add_eos_token.
+EOS_ONLY_CLASSES = ("T5Tokenizer", "T5TokenizerFast", "MT5Tokenizer", "MT5TokenizerFast")
+
+
+def _read_backend(folder: Path, config: dict, special: dict):
+    """tokenizer.json; else a SentencePiece model (tokenizer.model, or T5's spiece.model);
+    else BERT's WordPiece vocab.txt (its special tokens then default to BERT's)."""
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizersBackend(folder / "tokenizer.json", add_bos=config.get("add_bos_token"))
+    eos_only = config.get("tokenizer_class") in EOS_ONLY_CLASSES
+    for name in ("tokenizer.model", "spiece.model"):
+        if (folder / name).is_file():
+            return SentencePieceBackend(folder / name, add_bos=config.get("add_bos_token", not eos_only),
+                                        add_eos=config.get("add_eos_token", eos_only))
+    if (folder / "vocab.txt").is_file():
+        for name, token in (("unk_token", "[UNK]"), ("pad_token", "[PAD]"), ("mask_token", "[MASK]"),
+                            ("cls_token", "[CLS]"), ("sep_token", "[SEP]")):
+            special[name] = special[name] or token
+        return HFTokenizersBackend.from_wordpiece_vocab(folder / "vocab.txt", config.get("do_lower_case", True))
+    raise UserError(f"{folder} has no tokenizer (tokenizer.json, tokenizer.model, spiece.model or vocab.txt)")
+
+
 def load_tokenizer(folder: Path, eos_token_ids: int | list[int] | None = None) -> Tokenizer:
     """The tokenizer of a model folder: tokenizer.json if present, else tokenizer.model.
 
@@ -145,15 +190,8 @@ def load_tokenizer(folder: Path, eos_token_ids: int | list[int] | None = None) -
     """
     folder = Path(folder)
     config = _read_json(folder / "tokenizer_config.json")
-    special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    if (folder / "tokenizer.json").is_file():
-        backend = HFTokenizersBackend(folder / "tokenizer.json", add_bos=config.get("add_bos_token"))
-    elif (folder / "tokenizer.model").is_file():
-        backend = SentencePieceBackend(
-            folder / "tokenizer.model", add_bos=config.get("add_bos_token", True), add_eos=config.get("add_eos_token", False)
-        )
-    else:
-        raise UserError(f"{folder} has no tokenizer (tokenizer.json or tokenizer.model)")
+    special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    backend = _read_backend(folder, config, special)
 
     def token_id(name: str) -> int | None:
         return backend.token_to_id(special[name]) if special[name] else None

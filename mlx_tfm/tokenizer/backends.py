@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 from ..errors import UserError
@@ -17,6 +18,9 @@ from .detokenizer import (
     byte_level_piece_bytes,
     sentencepiece_piece_bytes,
 )
+
+
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 class SentencePieceBackend:
@@ -99,12 +103,59 @@ class HFTokenizersBackend:
 
         try:
             text = path.read_text(encoding="utf-8")
-            self.tokenizer = HFTokenizer.from_str(text)
+            tokenizer = HFTokenizer.from_str(text)
         except Exception as e:
             raise UserError(f"{path} is not a readable tokenizer.json ({e})") from None
-        self.decoder_kind = _decoder_kind(json.loads(text).get("decoder"))
+        self._setup(tokenizer, _decoder_kind(json.loads(text).get("decoder")), add_bos)
+
+    @classmethod
+    def from_wordpiece_vocab(cls, path: Path, lowercase: bool) -> "HFTokenizersBackend":
+        """BERT's ``vocab.txt`` alone, built into the tokenizer.json it stands for: BERT's
+        normaliser and pre-tokenizer, WordPiece, ``[CLS] text [SEP]`` (and ``[SEP] pair [SEP]``)."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+        try:
+            vocab = models.WordPiece.read_file(str(path))
+        except Exception as e:
+            raise UserError(f"{path} is not a readable WordPiece vocab.txt ({e})") from None
+        missing = [t for t in BERT_SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise UserError(f"{path} lacks BERT's special token(s) {', '.join(missing)}")
+        tokenizer = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.post_processor = processors.BertProcessing(("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"]))
+        tokenizer.decoder = decoders.WordPiece()
+        tokenizer.add_special_tokens(list(BERT_SPECIAL_TOKENS))
+        backend = cls.__new__(cls)
+        backend._setup(tokenizer, "other", None)
+        return backend
+
+    def _setup(self, tokenizer, decoder_kind: str, add_bos: bool | None) -> None:
+        # A tokenizer.json may carry its own truncation and padding (sentence-transformers
+        # folders do): encode() returns the whole text; encoders truncate on request.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self.tokenizer = tokenizer
+        self.decoder_kind = decoder_kind
         self.add_bos = add_bos
         self.bos_id: int | None = None  # set by load_tokenizer once the BOS token is known
+        self._truncating = threading.Lock()
+
+    def encode_truncated(self, texts: list[str], pairs: list[str] | None, max_length: int | None
+                         ) -> list[tuple[list[int], list[int], bool]]:
+        """(ids, token type ids, whether it was cut) of each text (and its pair), special
+        tokens added, cut to ``max_length`` tokens as transformers cuts (longest first)."""
+        inputs = list(zip(texts, pairs)) if pairs is not None else list(texts)
+        with self._truncating:
+            if max_length is not None:
+                self.tokenizer.enable_truncation(max_length, strategy="longest_first")
+            try:
+                encodings = self.tokenizer.encode_batch(inputs)
+            finally:
+                self.tokenizer.no_truncation()
+        return [(e.ids, e.type_ids, bool(e.overflowing)) for e in encodings]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
