@@ -4,15 +4,20 @@ Shapes: queries (B, n_heads, L, head_dim); keys and values (B, n_kv_heads, S, he
 the KV heads never repeated (GQA and MQA broadcast them). ``mask`` is None, ``"causal"``
 (the last L of S positions, as the fused op aligns it), a boolean array (True = may
 attend) or an additive float array, broadcastable to (B, n_heads, L, S).
+
+Keys and values from a ``QuantizedKVCache`` come as ``QuantizedKV`` (packed numbers, scales
+and biases); attention then multiplies by them with ``mx.quantized_matmul`` and never makes
+a dequantized copy of the cache.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import window_mask
+from .cache import QuantizedKV, window_mask
 from .cpu import on_cpu
 from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks
+from .cpu.quantized_attention import in_float32
 
 
 def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) -> mx.array:
@@ -26,24 +31,59 @@ def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) 
     queries = queries.reshape(B, n_kv_heads, n_heads // n_kv_heads, L, head_dim)
     keys, values = keys[:, :, None], values[:, :, None]
     scores = (queries * scale) @ keys.swapaxes(-1, -2)  # (B, n_kv_heads, n_rep, L, S)
-    scores = mx.tanh(scores / cap) * cap
+    weights = grouped_weights(scores, mask, cap)
+    return (weights @ values).reshape(B, n_heads, L, -1)
+
+
+def grouped_weights(scores: mx.array, mask, cap: float | None = None, sinks: mx.array | None = None) -> mx.array:
+    """Softmax weights from grouped scores (B, n_kv_heads, n_rep, L, S): soft-capped,
+    masked, and with a per-head sink logit (n_heads,) sharing the mass when given."""
+    B, n_kv_heads, n_rep, L, S = scores.shape
+    if cap:
+        scores = mx.tanh(scores / cap) * cap
     if isinstance(mask, str):
         mask = window_mask(mx.arange(S - L, S), mx.arange(S), None)
     if mask is not None:
         if mask.ndim == 4:  # (B or 1, n_heads or 1, L, S) -> grouped like the scores
             b, h, *rest = mask.shape
-            mask = mask.reshape(b, 1, 1, *rest) if h == 1 else mask.reshape(b, n_kv_heads, n_heads // n_kv_heads, *rest)
+            mask = mask.reshape(b, 1, 1, *rest) if h == 1 else mask.reshape(b, n_kv_heads, n_rep, *rest)
         scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ values).reshape(B, n_heads, L, -1)
+    if sinks is None:
+        return mx.softmax(scores, axis=-1, precise=True)
+    sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, n_kv_heads, n_rep, 1, 1), (B, n_kv_heads, n_rep, L, 1))
+    return mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+
+
+def quantized_attention(queries, keys: QuantizedKV, values: QuantizedKV, scale: float, mask,
+                        cap: float | None = None, sinks: mx.array | None = None) -> mx.array:
+    """Attention over quantized keys and values: the scores are ``mx.quantized_matmul`` of
+    the queries with the packed keys, the output that of the weights with the packed
+    values. GQA groups the queries as ``softcapped_attention`` does."""
+    B, n_heads, L, head_dim = queries.shape
+    n_kv_heads = keys.data.shape[1]
+    queries = (queries * scale).reshape(B, n_kv_heads, n_heads // n_kv_heads, L, head_dim)
+    # (B, n_kv_heads, 1, S, packed) broadcasts over the n_rep query heads of each KV head
+    grouped_keys, grouped_values = ([a[:, :, None] for a in x.arrays] for x in (keys, values))
+    scores = mx.quantized_matmul(queries, *grouped_keys, transpose=True, group_size=keys.group_size,
+                                 bits=keys.bits)  # (B, n_kv_heads, n_rep, L, S)
+    weights = grouped_weights(scores, mask, cap, sinks)
+    out = mx.quantized_matmul(weights, *grouped_values, transpose=False, group_size=values.group_size,
+                              bits=values.bits)  # (B, n_kv_heads, n_rep, L, head_dim)
+    return out.reshape(B, n_heads, L, head_dim)
 
 
 def attention(queries, keys, values, scale: float, mask=None, softcap: float | None = None) -> mx.array:
     """Attention of ``queries`` over ``keys``/``values`` -> (B, n_heads, L, head_dim).
 
-    Soft-capped scores take their own path (no fused kernel has them); on the CPU a chunk
-    of more than ``QUERY_BLOCK`` queries goes a block at a time (less memory, the same
-    numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
+    Quantized keys and values (``QuantizedKV``) and soft-capped scores take their own paths
+    (no fused kernel has them; on the CPU the quantized path computes in float32); on the
+    CPU a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less memory,
+    the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
+    if isinstance(keys, QuantizedKV):
+        if on_cpu() and queries.dtype != mx.float32:
+            out = quantized_attention(*in_float32(queries, keys, values), scale, mask, softcap)
+            return out.astype(queries.dtype)
+        return quantized_attention(queries, keys, values, scale, mask, softcap)
     if softcap:
         return softcapped_attention(queries, keys, values, scale, mask, softcap)
     if on_cpu() and queries.shape[2] > QUERY_BLOCK:

@@ -4,13 +4,21 @@ Keys and values are stored as the model computes them, ``(B, n_kv_heads, L, head
 RoPE already applied and the KV heads never repeated (the fused attention op handles
 GQA). A cache also answers which keys a new chunk of queries may see (``make_mask``),
 because only it knows which absolute positions its slots hold.
+
+``QuantizedKVCache`` stores them quantized (``mx.quantize``, 4 or 8 bits) once it holds
+more than ``start`` positions and returns ``QuantizedKV`` triples, which ``attention``
+reads with ``mx.quantized_matmul`` without a dequantized copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
+
+from .errors import UserError
 
 
 def window_mask(query_positions: mx.array, key_positions: mx.array, window: int | None, keep: int = 0) -> mx.array:
@@ -22,6 +30,14 @@ def window_mask(query_positions: mx.array, key_positions: mx.array, window: int 
     if window is not None:
         visible = visible & ((q - k < window) | (k < keep))
     return visible
+
+
+def growing_mask(offset: int, length: int, window: int | None):
+    """The mask of ``length`` new queries over a cache that holds every position so far."""
+    if window is None or offset + length <= window:
+        return "causal" if length > 1 else None
+    queries = mx.arange(offset, offset + length)
+    return window_mask(queries, mx.arange(offset + length), window)
 
 
 class KVCache:
@@ -66,10 +82,7 @@ class KVCache:
 
     def make_mask(self, length: int, window: int | None = None):
         """Mask for ``length`` new queries; ``"causal"`` lets the fused kernel build it."""
-        if window is None or self.offset + length <= window:
-            return "causal" if length > 1 else None
-        queries = mx.arange(self.offset, self.offset + length)
-        return window_mask(queries, mx.arange(self.offset + length), window)
+        return growing_mask(self.offset, length, window)
 
     def is_trimmable(self) -> bool:
         return True
@@ -261,6 +274,230 @@ class RotatingKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+KV_BITS = (4, 8)
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm's: short contexts stay float, where the cache is small anyway
+QUANTIZED_PARTS = ("data", "scales", "biases")  # QuantizedKV's arrays, as named in prompt-cache files
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """How a ``QuantizedKVCache`` stores keys and values: ``bits`` per number, one scale and
+    bias per ``group_size`` numbers of a head, from the first update that takes the cache
+    past ``start`` positions (before it, float as a ``KVCache``)."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+    def check(self, head_dim: int | None = None) -> None:
+        """One-line ``UserError`` for settings ``mx.quantize`` cannot apply (to heads of
+        ``head_dim`` numbers, when given)."""
+        if self.bits not in KV_BITS:
+            raise UserError(f"--kv-bits must be 4 or 8, got {self.bits}")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise UserError(f"--kv-group-size must be 32, 64 or 128, got {self.group_size}")
+        if head_dim is not None and head_dim % self.group_size:
+            raise UserError(f"--kv-group-size {self.group_size} does not divide the model's head_dim {head_dim}: "
+                            "its keys cannot be quantized in such groups")
+        if self.start < 0:
+            raise UserError(f"--quantized-kv-start must be at least 0, got {self.start}")
+
+
+class QuantizedKV(NamedTuple):
+    """Keys or values as ``mx.quantize`` leaves them, quantized along head_dim in groups:
+    ``data`` (B, n_kv_heads, S, head_dim * bits / 32) uint32, ``scales`` and ``biases``
+    (B, n_kv_heads, S, head_dim / group_size) in the model's dtype."""
+
+    data: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
+
+    @classmethod
+    def quantize(cls, x: mx.array, group_size: int, bits: int) -> "QuantizedKV":
+        return cls(*mx.quantize(x, group_size=group_size, bits=bits), group_size, bits)
+
+    @property
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array]:
+        return self.data, self.scales, self.biases
+
+    def positions(self, start: int, stop: int) -> "QuantizedKV":
+        """Positions ``start:stop`` (axis 2) of every array."""
+        data, scales, biases = (a[..., start:stop, :] for a in self.arrays)
+        return QuantizedKV(data, scales, biases, self.group_size, self.bits)
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(*self.arrays, group_size=self.group_size, bits=self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+class QuantizedKVCache:
+    """A never-forgetting cache like ``KVCache`` that stores keys and values quantized.
+
+    Until an update would take it past ``quantization.start`` positions it holds them in
+    float (a ``KVCache`` inside); that update quantizes what it held, and from then on
+    ``update_and_fetch`` returns ``QuantizedKV`` keys and values (attention reads them with
+    ``mx.quantized_matmul``). Trimming works in both phases; a trimmed cache stays quantized.
+    """
+
+    step = 256
+
+    def __init__(self, quantization: KVQuantization):
+        self.quantization = quantization
+        self.unquantized: KVCache | None = KVCache()  # None once quantized
+        self.keys: QuantizedKV | None = None  # buffers with room to grow along axis 2
+        self.values: QuantizedKV | None = None
+        self.offset = 0
+        self.reserved = 0
+
+    def reserve(self, positions: int) -> None:
+        """As ``KVCache.reserve``."""
+        self.reserved = positions
+        if self.unquantized is not None:
+            self.unquantized.reserve(min(positions, self.quantization.start))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append ``(B, n_kv_heads, L, head_dim)`` keys/values; return all cached so far,
+        float before ``start`` and ``QuantizedKV`` after."""
+        length = keys.shape[2]
+        if self.unquantized is not None:
+            if self.offset + length <= self.quantization.start:
+                self.offset += length
+                return self.unquantized.update_and_fetch(keys, values)
+            self._quantize_held()
+        return self._append(*(QuantizedKV.quantize(x, self.quantization.group_size, self.quantization.bits)
+                              for x in (keys, values)))
+
+    def _quantize_held(self) -> None:
+        held = self.unquantized.state
+        self.unquantized, self.offset = None, 0
+        if held:
+            q = self.quantization
+            self._append(*(QuantizedKV.quantize(x, q.group_size, q.bits) for x in held))
+
+    def _append(self, keys: QuantizedKV, values: QuantizedKV):
+        previous = self.offset
+        length = keys.data.shape[2]
+        if self.keys is None or previous + length > self.keys.data.shape[2]:
+            self._grow(keys, values, previous, length)
+        stop = previous + length
+        for buffer, new in ((self.keys, keys), (self.values, values)):
+            for array, part in zip(buffer.arrays, new.arrays):
+                array[..., previous:stop, :] = part
+        self.offset = stop
+        return self.keys.positions(0, stop), self.values.positions(0, stop)
+
+    def _grow(self, keys: QuantizedKV, values: QuantizedKV, previous: int, length: int) -> None:
+        n_new = ((length + self.step - 1) // self.step) * self.step
+        if previous + length <= self.reserved:
+            n_new = min(n_new, self.reserved - previous)
+
+        def grown(buffer: QuantizedKV | None, like: QuantizedKV) -> QuantizedKV:
+            arrays = []
+            for i, part in enumerate(like.arrays):
+                B, n_kv_heads, _, width = part.shape
+                room = mx.zeros((B, n_kv_heads, n_new, width), part.dtype)
+                arrays.append(room if buffer is None else mx.concatenate([buffer.arrays[i][..., :previous, :], room], axis=2))
+            return QuantizedKV(*arrays, like.group_size, like.bits)
+
+        self.keys, self.values = grown(self.keys, keys), grown(self.values, values)
+
+    def make_mask(self, length: int, window: int | None = None):
+        return growing_mask(self.offset, length, window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        if self.unquantized is not None:
+            self.unquantized.trim(n)
+        self.offset -= n
+        return n
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.unquantized is None
+
+    @property
+    def state(self):
+        """(keys, values): float arrays before quantizing, ``QuantizedKV`` after."""
+        if self.unquantized is not None:
+            return self.unquantized.state
+        if self.keys is None:
+            return ()
+        return self.keys.positions(0, self.offset), self.values.positions(0, self.offset)
+
+    @state.setter
+    def state(self, value):
+        keys, values = value
+        if isinstance(keys, QuantizedKV):
+            self.unquantized = None
+            self.keys, self.values = keys, values
+            self.offset = keys.data.shape[2]
+        else:
+            self.unquantized = KVCache()
+            self.unquantized.state = (keys, values)
+            self.offset = keys.shape[2]
+
+    @property
+    def meta_state(self) -> dict:
+        q = self.quantization
+        return {"kind": "QuantizedKVCache", "bits": q.bits, "group_size": q.group_size, "start": q.start,
+                "quantized": self.is_quantized}
+
+    def copy(self) -> "QuantizedKVCache":
+        """An independent copy (new buffers: the cache writes into its own in place)."""
+        twin = QuantizedKVCache(self.quantization)
+        twin.offset, twin.reserved = self.offset, self.reserved
+        if self.unquantized is not None:
+            twin.unquantized.reserve(self.unquantized.reserved)
+            if self.unquantized.keys is not None:
+                twin.unquantized.state = tuple(mx.array(x) for x in self.unquantized.state)
+        else:
+            twin.unquantized = None
+            twin.keys, twin.values = (QuantizedKV(*(mx.array(a) for a in buffer.arrays), buffer.group_size, buffer.bits)
+                                      for buffer in (self.keys, self.values))
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        if self.unquantized is not None:
+            return self.unquantized.nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def quantized_layers(layers: list, quantization: KVQuantization | None) -> list:
+    """``layers`` (from ``model.make_cache``) with every ``KVCache`` replaced by a
+    ``QuantizedKVCache`` holding the same positions. Rotating caches (sliding-window
+    layers) stay float: they are bounded already, and ``--max-kv-size`` with ``--kv-bits``
+    is refused (``check_quantizable``). The list itself is changed and returned."""
+    if quantization is None:
+        return layers
+    for i, layer in enumerate(layers):
+        if type(layer) is KVCache:
+            quantized = QuantizedKVCache(quantization)
+            if layer.offset:
+                quantized.update_and_fetch(*layer.state)
+            layers[i] = quantized
+    return layers
+
+
+def check_quantizable(layers: list, quantization: KVQuantization | None, head_dim: int) -> None:
+    """One-line ``UserError`` when ``quantized_layers`` could not quantize these layers."""
+    if quantization is None:
+        return
+    quantization.check(head_dim)
+    if not any(isinstance(layer, (KVCache, QuantizedKVCache)) for layer in layers):
+        raise UserError("--kv-bits with --max-kv-size is not supported: a rotating cache is not quantized; "
+                        "use one or the other")
+
+
 def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
     """Write a list of layer caches to a .safetensors file (atomically)."""
     import json
@@ -269,8 +506,11 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
 
     arrays = {}
     for i, layer_cache in enumerate(cache):
-        for name, array in zip(("keys", "values"), layer_cache.state):
-            arrays[f"{i}.{name}"] = array
+        for name, stored in zip(("keys", "values"), layer_cache.state):
+            if isinstance(stored, QuantizedKV):
+                arrays.update({f"{i}.{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, stored.arrays)})
+            else:
+                arrays[f"{i}.{name}"] = stored
     info = {"layers": json.dumps([c.meta_state for c in cache]), **(metadata or {})}
     with atomic_file(path) as tmp:
         mx.save_safetensors(str(tmp), arrays, metadata=info)
@@ -286,10 +526,19 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
     for i, meta in enumerate(layers):
         if meta["kind"] == "RotatingKVCache":
             layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
+        elif meta["kind"] == "QuantizedKVCache":
+            quantization = KVQuantization(int(meta["bits"]), int(meta["group_size"]), int(meta["start"]))
+            layer_cache = QuantizedKVCache(quantization)
         else:
             layer_cache = KVCache()
         if f"{i}.keys" in arrays:
             layer_cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+        elif f"{i}.keys.data" in arrays:
+            layer_cache.state = tuple(
+                QuantizedKV(*(arrays[f"{i}.{name}.{part}"] for part in QUANTIZED_PARTS), quantization.group_size,
+                            quantization.bits)
+                for name in ("keys", "values")
+            )
         if meta["kind"] == "RotatingKVCache":
             layer_cache.meta_state = meta
         cache.append(layer_cache)

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import load_prompt_cache, save_prompt_cache
+from .cache import KVQuantization, QuantizedKVCache, load_prompt_cache, quantized_layers, save_prompt_cache
 from .errors import UserError
 
 # Values read from each weight for the digest: enough that two fine-tunes, two adapters or
@@ -63,13 +63,19 @@ class TokenCache:
 
     After feeding tokens through the model with ``layers`` as its cache, call
     ``record(tokens)``; after a generation that may have left the caches one token ahead
-    of (or behind) the ids the caller knows, call ``reconcile(known)``."""
+    of (or behind) the ids the caller knows, call ``reconcile(known)``. With
+    ``kv_quantization`` its layers are ``QuantizedKVCache``s (rotating ones stay float)."""
 
-    def __init__(self, model, max_kv_size: int | None = None, layers: list | None = None, tokens: list[int] = ()):
+    def __init__(self, model, max_kv_size: int | None = None, layers: list | None = None, tokens: list[int] = (),
+                 kv_quantization: KVQuantization | None = None):
         self.model = model
         self.max_kv_size = max_kv_size
-        self.layers = layers if layers is not None else model.make_cache(max_kv_size=max_kv_size)
+        self.kv_quantization = kv_quantization
+        self.layers = layers if layers is not None else self._new_layers()
         self.tokens: list[int] = list(tokens)
+
+    def _new_layers(self) -> list:
+        return quantized_layers(self.model.make_cache(max_kv_size=self.max_kv_size), self.kv_quantization)
 
     @property
     def offset(self) -> int:
@@ -80,7 +86,7 @@ class TokenCache:
         return sum(layer.nbytes for layer in self.layers)
 
     def reset(self) -> None:
-        self.layers = self.model.make_cache(max_kv_size=self.max_kv_size)
+        self.layers = self._new_layers()
         self.tokens = []
 
     def record(self, tokens: list[int]) -> None:
@@ -123,12 +129,15 @@ class TokenCache:
         """An independent copy: feeding either never changes the other."""
         layers = []
         for layer in self.layers:
+            if isinstance(layer, QuantizedKVCache):
+                layers.append(layer.copy())
+                continue
             twin = type(layer).__new__(type(layer))
             twin.__dict__.update(layer.__dict__)
             if layer.keys is not None:  # new arrays: the caches write into theirs in place
                 twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
             layers.append(twin)
-        return TokenCache(self.model, self.max_kv_size, layers, self.tokens)
+        return TokenCache(self.model, self.max_kv_size, layers, self.tokens, self.kv_quantization)
 
     # -- files ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -139,8 +148,11 @@ class TokenCache:
         save_prompt_cache(path, self.layers, metadata=metadata)
 
     @classmethod
-    def load(cls, path: str | Path, model, max_kv_size: int | None = None) -> "TokenCache":
-        """A cache saved by ``save`` for this very model (else a one-line error)."""
+    def load(cls, path: str | Path, model, max_kv_size: int | None = None,
+             kv_quantization: KVQuantization | None = None) -> "TokenCache":
+        """A cache saved by ``save`` for this very model (else a one-line error). Its
+        quantized layers stay so; with ``kv_quantization`` its float ``KVCache`` layers
+        become ``QuantizedKVCache``s too."""
         path = Path(path)
         try:
             layers, metadata = load_prompt_cache(path)
@@ -152,7 +164,7 @@ class TokenCache:
             raise UserError(
                 f"{path} was written for a different model, dtype or adapter; delete it or pick another file"
             )
-        return cls(model, max_kv_size, layers, tokens)
+        return cls(model, max_kv_size, quantized_layers(layers, kv_quantization), tokens, kv_quantization)
 
 
 __all__ = ["TokenCache", "common_prefix_length", "model_fingerprint"]
