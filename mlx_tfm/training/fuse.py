@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mlx.utils import tree_flatten
@@ -13,7 +14,7 @@ from .lora import fuse_adapters, load_adapters
 
 
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False, overwrite: bool = True,
-               log=print) -> Path:
+               log=lambda text: print(text, file=sys.stderr)) -> Path:
     """Load base + adapters, fuse, and write config.json, model.safetensors and the
     tokenizer files to ``save_path`` (which ``mlx_tfm.load`` then reads)."""
     from ..loading import load_model
