@@ -170,17 +170,22 @@ class AnswerStats:
     generation_tps: float
     peak_memory_gb: float
     finish_reason: str | None
+    drafted_tokens: int = 0  # speculative decoding: guesses made
+    accepted_tokens: int = 0  # ... and kept
 
 
 class ChatSession:
     """A model, its tokenizer, a conversation and the KV cache that holds it.
 
     ``cache`` (a ``TokenCache``) holds the conversation: its ``tokens`` are always exactly
-    the ids its layer caches hold, in order.
+    the ids its layer caches hold, in order. ``kv_quantization`` quantizes it; a
+    ``draft_model`` (with a ``TokenCache`` of its own, ``draft_cache``) or
+    ``prompt_lookup_num_tokens`` decode speculatively (``mlx_tfm.speculative``).
     """
 
     def __init__(self, model, tokenizer, settings: Settings | None = None, system_prompt: str | None = None,
-                 max_kv_size: int | None = None, model_name: str = "", on_notice: Callable[[str], None] = print):
+                 max_kv_size: int | None = None, model_name: str = "", on_notice: Callable[[str], None] = print,
+                 kv_quantization=None, draft_model=None, num_draft_tokens: int = 3, prompt_lookup_num_tokens: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings or Settings()
@@ -191,7 +196,9 @@ class ChatSession:
         bounds = [model.args.max_position_embeddings] + ([max_kv_size] if max_kv_size else [])
         self.context_limit = min(bounds)
         self.last_stats: AnswerStats | None = None
-        self.cache = TokenCache(model, max_kv_size=max_kv_size)
+        self.cache = TokenCache(model, max_kv_size=max_kv_size, kv_quantization=kv_quantization)
+        self.draft_cache = TokenCache(draft_model) if draft_model is not None else None
+        self.speculation = dict(num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
 
     # -- settings ---------------------------------------------------------------------
     def set(self, name: str, text: str) -> float | int:
@@ -213,6 +220,8 @@ class ChatSession:
 
     def reset_cache(self) -> None:
         self.cache.reset()
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed ``tokens`` into the cache without generating (for ``/load``)."""
@@ -284,7 +293,7 @@ class ChatSession:
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
         stream = stream_generate(self.model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
-                                 prompt_cache=self.cache.layers)
+                                 prompt_cache=self.cache.layers, **self._speculation())
         tokens: list[int] = []
         first_token_s, last = 0.0, None
         try:
@@ -303,11 +312,22 @@ class ChatSession:
             if last.finish_reason == "length" and budget < self.settings.max_tokens:
                 self.on_notice(f"context full: the answer stopped at the end of the context ({self.context_limit} tokens)")
 
+    def _speculation(self) -> dict:
+        """``stream_generate``'s speculative settings, the draft's cache holding what ours does."""
+        if self.draft_cache is None:
+            return self.speculation
+        from .speculative import sync_draft_cache
+
+        sync_draft_cache(self.draft_cache, self.cache)
+        return {**self.speculation, "draft_model": self.draft_cache.model, "draft_cache": self.draft_cache.layers}
+
     def _finish_answer(self, target: list[int], tokens: list[int]) -> None:
         """Keep the answer (also a stopped one) and make the bookkeeping match the cache."""
         answer_ids = [t for t in tokens if t not in self.tokenizer.eos_token_ids]
         self.conversation.turns.append({"role": "assistant", "content": self.tokenizer.decode(answer_ids)})
         self.cache.reconcile(target + tokens)
+        if self.draft_cache is not None:
+            self.draft_cache.reconcile(target + tokens)
 
     def _record_stats(self, last, new_prompt_tokens: int, conversation_tokens: int, first_token_s: float) -> None:
         self.last_stats = AnswerStats(
@@ -319,6 +339,8 @@ class ChatSession:
             generation_tps=last.generation_tps,
             peak_memory_gb=last.peak_memory,
             finish_reason=last.finish_reason,
+            drafted_tokens=last.drafted_tokens,
+            accepted_tokens=last.accepted_tokens,
         )
 
     # -- whole-conversation operations -------------------------------------------------

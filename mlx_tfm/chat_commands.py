@@ -87,6 +87,8 @@ def _stats(session: ChatSession, argument: str) -> str:
             f"(first token after {stats.first_token_s:.3f} s)",
             f"answer: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s",
             f"conversation: {stats.conversation_tokens} tokens",
+            *([f"speculative: {stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted"]
+              if stats.drafted_tokens else []),
             f"peak memory: {stats.peak_memory_gb:.3f} GB",
         ]
     )

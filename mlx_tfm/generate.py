@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .cache import RotatingKVCache
+from .cache import DEFAULT_QUANTIZED_KV_START, KVQuantization, RotatingKVCache, check_quantizable, quantized_layers
 from .errors import UserError
 from .sample import LogitsProcessor, Sampler, greedy
 from .tokenizer import Tokenizer
@@ -32,7 +32,8 @@ class GenerationResponse:
     log-probabilities over the vocabulary it was sampled from, shape (V,);
     ``finish_reason`` is "stop" (EOS or a stop string), "length" (max_tokens or the
     model's context) or None while generating. Speeds are tokens per second;
-    ``peak_memory`` is in GB.
+    ``peak_memory`` is in GB. With speculative decoding, ``drafted_tokens`` guesses were
+    made so far and ``accepted_tokens`` of them kept.
     """
 
     text: str
@@ -44,6 +45,8 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 # -- checks ------------------------------------------------------------------------------
@@ -250,25 +253,49 @@ def stream_generate(
     max_kv_size: int | None = None,
     prefill_step_size: int = 512,
     stop_strings: list[str] | None = None,
+    draft_model=None,
+    num_draft_tokens: int = 3,
+    prompt_lookup_num_tokens: int = 0,
+    draft_cache: list | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Iterator[GenerationResponse]:
     """Yield a ``GenerationResponse`` per generated token, the last one with a
     ``finish_reason``. Stops on the tokenizer's EOS ids (not shown) and on
     ``stop_strings`` (not shown either). See the module docstring for what the
-    ``prompt_cache`` holds afterwards."""
+    ``prompt_cache`` holds afterwards.
+
+    Speculative decoding (``mlx_tfm.speculative``): a ``draft_model`` guessing
+    ``num_draft_tokens`` ahead (its ``draft_cache`` holding the same positions as
+    ``prompt_cache``), or ``prompt_lookup_num_tokens`` guessed from the prompt. ``kv_bits``
+    (4 or 8) quantizes the cache's ``KVCache`` layers once they hold more than
+    ``quantized_kv_start`` positions, in groups of ``kv_group_size``."""
     check_vocabulary(model, tokenizer)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_prompt_tokens(prompt_tokens, model.args.vocab_size)
     cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
+    if kv_bits is not None:
+        kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
+        check_quantizable(cache, kv_quantization, model.args.head_dim)
+        quantized_layers(cache, kv_quantization)
     room = context_room(model, cache, prompt_tokens.size)
     max_tokens = max_tokens if room is None else min(max_tokens, room)
     pieces = TextPieces(tokenizer, prompt_tokens, stop_strings)
 
     mx.reset_peak_memory()
     start = time.perf_counter()
-    tokens = generate_step(
-        prompt_tokens, model, max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
-        prompt_cache=cache, prefill_step_size=prefill_step_size,
-    )
+    step_kwargs = dict(max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+                       prefill_step_size=prefill_step_size)
+    if draft_model is not None or prompt_lookup_num_tokens:
+        from .speculative import speculative_tokens
+
+        tokens, stats = speculative_tokens(
+            prompt_tokens, model, tokenizer, cache, draft_model=draft_model, draft_cache=draft_cache,
+            num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens, **step_kwargs,
+        )
+    else:
+        tokens, stats = generate_step(prompt_tokens, model, prompt_cache=cache, **step_kwargs), None
     for n, (token, logprobs) in enumerate(tokens, start=1):
         if n == 1:
             generation_start = time.perf_counter()
@@ -282,6 +309,7 @@ def stream_generate(
             text=text, token=token, logprobs=logprobs, prompt_tokens=prompt_tokens.size, prompt_tps=prompt_tps,
             generation_tokens=n, generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason,
+            drafted_tokens=stats.drafted if stats else 0, accepted_tokens=stats.accepted if stats else 0,
         )
         if finish_reason is not None:
             tokens.close()
@@ -304,11 +332,16 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool
 
 
 def format_stats(response: GenerationResponse) -> str:
-    return (
-        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
-        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
-        f"Peak memory: {response.peak_memory:.3f} GB"
-    )
+    lines = [
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec",
+    ]
+    if response.drafted_tokens:
+        rate = response.accepted_tokens / response.drafted_tokens
+        lines.append(f"Speculative: {response.accepted_tokens} of {response.drafted_tokens} drafted tokens "
+                     f"accepted ({rate:.1%})")
+    lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
+    return "\n".join(lines)
 
 
 __all__ = [

@@ -81,9 +81,40 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
         )
     if temp == 0:
         return greedy
-    draw = compiled_draw(top_k, use_top_p=0 < top_p < 1, use_min_p=min_p > 0)
-    settings = [mx.array(value, mx.float32) for value in (1.0 / temp, top_p, min_p)]
-    return functools.partial(draw, inverse_temp=settings[0], top_p=settings[1], min_p=settings[2])
+    return TemperatureSampler(temp, top_p, top_k, min_p)
+
+
+class TemperatureSampler:
+    """``make_sampler``'s sampler at a temperature above 0: ``sampler(logprobs (B, V))``
+    draws tokens (B,). Speculative sampling also needs the distribution a draw follows,
+    which ``log_distribution`` gives."""
+
+    def __init__(self, temp: float, top_p: float, top_k: int, min_p: float):
+        self.filters = (top_k, 0 < top_p < 1, min_p > 0)  # compiled_draw's key
+        self.settings = dict(zip(("inverse_temp", "top_p", "min_p"),
+                                 (mx.array(value, mx.float32) for value in (1.0 / temp, top_p, min_p))))
+        self.draw = compiled_draw(*self.filters)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.draw(logprobs, **self.settings)
+
+    def log_distribution(self, logprobs: mx.array) -> mx.array:
+        """logprobs (B, V) -> the normalised log-probabilities (B, V) a draw follows (-inf
+        where a filter removed the token)."""
+        logits = tempered_filtered(logprobs, *self.filters, **self.settings)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def tempered_filtered(logprobs: mx.array, top_k: int, use_top_p: bool, use_min_p: bool, inverse_temp: mx.array,
+                      top_p: mx.array, min_p: mx.array) -> mx.array:
+    """The logits a draw is made from: the enabled filters, then the temperature."""
+    if top_k > 0:
+        logprobs = apply_top_k(logprobs, top_k)
+    if use_top_p:
+        logprobs = apply_top_p(logprobs, top_p)
+    if use_min_p:
+        logprobs = apply_min_p(logprobs, min_p)
+    return logprobs * inverse_temp
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,13 +126,8 @@ def compiled_draw(top_k: int, use_top_p: bool, use_min_p: bool):
     # Compiled with the random state as an input and output, so seeding still governs it.
     @functools.partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
     def draw(logprobs: mx.array, inverse_temp: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
-        if top_k > 0:
-            logprobs = apply_top_k(logprobs, top_k)
-        if use_top_p:
-            logprobs = apply_top_p(logprobs, top_p)
-        if use_min_p:
-            logprobs = apply_min_p(logprobs, min_p)
-        return mx.random.categorical(logprobs * inverse_temp, axis=-1)
+        logits = tempered_filtered(logprobs, top_k, use_top_p, use_min_p, inverse_temp, top_p, min_p)
+        return mx.random.categorical(logits, axis=-1)
 
     return draw
 
@@ -164,4 +190,4 @@ def make_logits_processors(repetition_penalty: float | None = None, repetition_c
     return processors
 
 
-__all__ = ["make_sampler", "make_logits_processors", "make_presence_frequency_penalty", "apply_top_k", "apply_top_p", "apply_min_p", "greedy"]
+__all__ = ["make_sampler", "TemperatureSampler", "make_logits_processors", "make_presence_frequency_penalty", "apply_top_k", "apply_top_p", "apply_min_p", "greedy"]

@@ -22,6 +22,8 @@ import sys
 import termios
 import threading
 
+from . import decoding_flags
+
 HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
 
 
@@ -42,6 +44,7 @@ def add_arguments(parser) -> None:
         "--max-kv-size", type=int, default=None,
         help="bound the KV cache (and so the context) to this many tokens",
     )
+    decoding_flags.add_arguments(parser)
 
 
 # -- reading what the person types -----------------------------------------------------
@@ -265,12 +268,17 @@ def run(args) -> int:
     check_settings(settings)
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError("--max-kv-size must be at least 2")
+    decoding_flags.check(args)
     model_path = choose_model(args.model)
     model, tokenizer = load(model_path, adapter_path=args.adapter_path)
+    decoding_flags.check_model(args, model)
+    draft_model = decoding_flags.load_draft_model(args, tokenizer)
     mx.random.seed(settings.seed)
     screen = Screen()
     session = ChatSession(model, tokenizer, settings, system_prompt=args.system_prompt,
-                          max_kv_size=args.max_kv_size, model_name=str(model_path), on_notice=screen.notice)
+                          max_kv_size=args.max_kv_size, model_name=str(model_path), on_notice=screen.notice,
+                          kv_quantization=decoding_flags.kv_quantization(args), draft_model=draft_model,
+                          num_draft_tokens=args.num_draft_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
     interactive = sys.stdin.isatty()
     if interactive:
         screen.write(f"Chatting with {model_path}. Type /help for commands, /bye to leave.\n")

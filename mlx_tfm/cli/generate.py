@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import decoding_flags
+
 HELP = "Generate text from a prompt with a model folder or Hugging Face repo."
 
 # With network and no --model: a small real instruct model from the hub. Without network:
@@ -47,6 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
                         help="print the statistics at the end (--verbose false: only the text)")
+    decoding_flags.add_arguments(parser)
 
 
 def run(args) -> int:
@@ -57,11 +60,13 @@ def run(args) -> int:
     from ..loading import load
     from ..prompt_cache import TokenCache
     from ..sample import make_logits_processors, make_sampler
+    from ..speculative import sync_draft_cache
 
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be at least 0, got {args.max_tokens}")
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+    decoding_flags.check(args)
     sampler = make_sampler(args.temp, args.top_p, args.top_k, args.min_p)
     processors = make_logits_processors(args.repetition_penalty, args.repetition_context_size)
     if args.seed is not None:
@@ -69,18 +74,26 @@ def run(args) -> int:
 
     model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path)
     check_vocabulary(model, tokenizer)
+    decoding_flags.check_model(args, model)
+    draft_model = decoding_flags.load_draft_model(args, tokenizer)
     prompt_tokens = build_prompt(tokenizer, read_prompt(args.prompt), args.system_prompt, args.ignore_chat_template)
 
+    kv_quantization = decoding_flags.kv_quantization(args)
     cache_file = Path(args.prompt_cache_file) if args.prompt_cache_file else None
     if cache_file is not None and cache_file.is_file():
-        token_cache = TokenCache.load(cache_file, model, args.max_kv_size)
+        token_cache = TokenCache.load(cache_file, model, args.max_kv_size, kv_quantization)
     else:
-        token_cache = TokenCache(model, args.max_kv_size)
+        token_cache = TokenCache(model, args.max_kv_size, kv_quantization=kv_quantization)
     to_process = token_cache.prepare(prompt_tokens)
+    speculation = dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, num_draft_tokens=args.num_draft_tokens)
+    if draft_model is not None:
+        draft_cache = TokenCache(draft_model)
+        sync_draft_cache(draft_cache, token_cache)
+        speculation.update(draft_model=draft_model, draft_cache=draft_cache.layers)
 
     generated, response = [], None
     for response in stream_generate(model, tokenizer, to_process, args.max_tokens, sampler, processors,
-                                    prompt_cache=token_cache.layers, stop_strings=args.stop):
+                                    prompt_cache=token_cache.layers, stop_strings=args.stop, **speculation):
         print(response.text, end="", flush=True)
         generated.append(response.token)
     print(flush=True)

@@ -1,0 +1,66 @@
+"""The flags for faster and longer generation, shared by `generate` and `chat` (mlx_lm's
+names; transformers' for prompt lookup): speculative decoding and a quantized KV cache.
+
+Settings are checked before a model is loaded (a typo costs no loading time); what depends
+on the model (its head_dim, its tokenizer) right after.
+"""
+
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    from ..cache import DEFAULT_QUANTIZED_KV_START
+
+    parser.add_argument("--draft-model", help="a smaller model with the same tokenizer, for speculative decoding")
+    parser.add_argument("--num-draft-tokens", type=int, default=3,
+                        help="tokens the draft model guesses ahead per step of the model (default 3)")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=0,
+                        help="speculative decoding without a draft model: guess this many tokens by copying what "
+                             "followed the latest n-gram match in the prompt (0: off)")
+    parser.add_argument("--kv-bits", type=int, help="quantize the KV cache to 4 or 8 bits (default: not quantized)")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default 64)")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                        help=f"with --kv-bits, quantize once the cache holds more than this many positions "
+                             f"(default {DEFAULT_QUANTIZED_KV_START})")
+
+
+def check(args) -> None:
+    """One-line ``UserError`` for settings no model could use."""
+    from ..speculative import check_settings
+
+    check_settings(args.num_draft_tokens, args.prompt_lookup_num_tokens, args.draft_model)
+    quantization = kv_quantization(args)
+    if quantization is not None:
+        quantization.check()  # the model's head_dim is checked once it is loaded
+
+
+def check_model(args, model) -> None:
+    """One-line ``UserError`` when the loaded model's caches cannot do what the flags ask."""
+    from ..cache import check_quantizable
+    from ..speculative import check_rollback
+
+    layers = model.make_cache(max_kv_size=args.max_kv_size)
+    check_quantizable(layers, kv_quantization(args), model.args.head_dim)
+    if args.draft_model is not None or args.prompt_lookup_num_tokens:
+        check_rollback(layers, "the model's")
+
+
+def kv_quantization(args):
+    """The ``KVQuantization`` the flags ask for, or None."""
+    from ..cache import KVQuantization
+
+    if args.kv_bits is None:
+        return None
+    return KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+
+
+def load_draft_model(args, tokenizer):
+    """The draft model (None without --draft-model); its tokenizer must be the model's."""
+    from ..loading import load
+    from ..speculative import check_draft_tokenizer
+
+    if args.draft_model is None:
+        return None
+    draft_model, draft_tokenizer = load(args.draft_model)
+    check_draft_tokenizer(tokenizer, draft_tokenizer)
+    return draft_model
