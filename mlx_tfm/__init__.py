@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # package attribute `generate` to the module, so a lazy function would be shadowed by it.
 # Importing the functions here (mlx.core, after route_blas) binds the name to the function.
 from .generate import generate, stream_generate  # noqa: E402
+from .perplexity import perplexity  # noqa: E402  (the same: a submodule and a function)
 
 # The rest of the public API, imported lazily so `import mlx_tfm` stays cheap.
 _LAZY = {
@@ -21,6 +22,9 @@ _LAZY = {
     "batch_generate": ("mlx_tfm.batching", "batch_generate"),
     "Model": ("mlx_tfm.model", "Model"),
     "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
+    "encode": ("mlx_tfm.embeddings", "encode"),
+    "rerank": ("mlx_tfm.encoder_tasks", "rerank"),
+    "fill_mask": ("mlx_tfm.encoder_tasks", "fill_mask"),
 }
 
 
@@ -33,4 +37,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mlx_tfm' has no attribute {name!r}")
 
 
-__all__ = [*_LAZY, "generate", "stream_generate"]
+__all__ = [*_LAZY, "generate", "stream_generate", "perplexity"]

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "fuse": "mlx_tfm.cli.fuse",
     "inspect": "mlx_tfm.cli.inspect",
     "server": "mlx_tfm.cli.server",
+    "perplexity": "mlx_tfm.cli.perplexity",
 }
 
 
