@@ -294,3 +294,16 @@ def test_quantizing_a_rotating_cache_is_refused():
         check_quantizable([RotatingKVCache(64)], KVQuantization(8), 64)
     layers = quantized_layers([RotatingKVCache(64), KVCache()], KVQuantization(8))  # sliding layers stay float
     assert type(layers[0]) is RotatingKVCache and type(layers[1]) is QuantizedKVCache
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-bits", "4"], "--kv-bits is not supported by mlx-tfm server"),
+    (["--kv-bits", "3"], "--kv-bits must be 4 or 8, got 3"),
+    (["--draft-model", str(SHIPPED_MODEL)], "speculative decoding (--draft-model, --prompt-lookup-num-tokens) is not "
+                                            "supported by mlx-tfm server"),
+    (["--prompt-lookup-num-tokens", "4"], "is not supported by mlx-tfm server"),
+])
+def test_the_server_refuses_what_its_batching_engine_cannot_do(argv, message, capsys):
+    code = main(["server", "--model", str(SHIPPED_MODEL), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: ") and "\n" not in err and message in err, err

@@ -34,6 +34,20 @@ def check(args) -> None:
         quantization.check()  # the model's head_dim is checked once it is loaded
 
 
+def refuse_in_server(args) -> None:
+    """The server's batching engine decodes every request one token per step in one batched,
+    float cache: it takes these flags (mlx_lm's server has some of them) only to say so."""
+    from ..errors import UserError
+
+    check(args)
+    if args.kv_bits is not None:
+        raise UserError("--kv-bits is not supported by mlx-tfm server: its batched KV cache is not quantized "
+                        "(mlx-tfm generate and chat have it)")
+    if args.draft_model is not None or args.prompt_lookup_num_tokens:
+        raise UserError("speculative decoding (--draft-model, --prompt-lookup-num-tokens) is not supported by "
+                        "mlx-tfm server: its engine decodes a batch one token per step (generate and chat have it)")
+
+
 def check_model(args, model) -> None:
     """One-line ``UserError`` when the loaded model's caches cannot do what the flags ask."""
     from ..cache import check_quantizable

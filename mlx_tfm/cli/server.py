@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import decoding_flags
+
 HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prompt cache)."
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -39,6 +41,7 @@ def add_arguments(parser) -> None:
                         help="memory for cached prompt prefixes shared across requests, e.g. 512MB (default: 1GiB)")
     parser.add_argument("--max-kv-size", type=int, help="bound each request's KV cache to this many positions (rotating)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
+    decoding_flags.add_arguments(parser)  # refused with one line: see decoding_flags.refuse_in_server
 
 
 def read_api_key(args) -> str | None:
@@ -71,6 +74,7 @@ def settings_from(args):
     from ..server.settings import ServerSettings, parse_size
     from .generate import choose_model
 
+    decoding_flags.refuse_in_server(args)
     settings = dict(
         adapter_path=args.adapter_path, host=args.host, port=args.port, api_key=read_api_key(args),
         allowed_origins=tuple(origin.strip() for origin in args.allowed_origins if origin.strip()),
