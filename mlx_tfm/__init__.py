@@ -22,6 +22,9 @@ _LAZY = {
     "batch_generate": ("mlx_tfm.batching", "batch_generate"),
     "Model": ("mlx_tfm.model", "Model"),
     "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
+    "encode": ("mlx_tfm.embeddings", "encode"),
+    "rerank": ("mlx_tfm.encoder_tasks", "rerank"),
+    "fill_mask": ("mlx_tfm.encoder_tasks", "fill_mask"),
 }
 
 
