@@ -14,7 +14,7 @@ its kernels and with the pure MLX routes, alternating, who goes first too); the 
 
 - prompt tok/s: prompt tokens / time to the first new token (181 tokens);
 - decode tok/s: (new tokens - 1) / time from the first new token to the last (64 greedy);
-- peak MB: the process's peak resident memory (``ru_maxrss``) less its size before the
+- peak MB: the process's peak resident memory (``VmHWM``) less its size before the
   model was loaded (weights, caches, buffers; not the interpreter and libraries);
 - GB/s: bytes of weights a decoding step reads (every matrix once, the tied embedding as
   the output head) x decode tok/s, against the machine's read bandwidth measured at the
@@ -30,7 +30,6 @@ import argparse
 import ctypes
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -236,7 +235,13 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # KiB on Linux
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from
+    the parent that started it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise SystemExit("error: no VmHWM in /proc/self/status (Linux only)")
 
 
 def run_llama_cpp(path: Path, prompt: list[int], max_tokens: int, threads: int) -> dict:

@@ -65,6 +65,32 @@ void float_rows_m(const FloatProduct& p, const float* x, float* y, int64_t n0, i
 // plus its bias times the sum of x over the group. The scaled dot products stay vectors
 // until the row's end (one horizontal sum per row, not per group). The group size is a
 // compile-time constant, so a group's loop unrolls whole.
+// 4 bits where a group's dequantized values fit one register (AVX-512): each value is
+// looked up already scaled and shifted, so a group costs one multiply-add per value.
+template <int GS, Real S, int M>
+void nibble_table_rows_m(const QuantizedProduct& p, const float* x, float* y, int64_t n0, int64_t n1) {
+  const int64_t k = p.k, groups = k / GS, row_bytes = k / 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.w + n * row_bytes;
+    const int64_t first_scale = n * groups;
+    F acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+    const float* xg = x;
+    for (int64_t g = 0; g < groups; ++g, w += GS / 2, xg += GS) {
+      const F table = nibble_table(scalar_real<S>(p.scales, first_scale + g), scalar_real<S>(p.biases, first_scale + g));
+      for (int j = 0; j < GS; j += 2 * LANES) {
+        F low, high;
+        lookup_nibbles(w + j / 2, table, low, high);
+        for (int m = 0; m < M; ++m) {
+          acc[m][0] = fma(low, load(xg + m * k + j), acc[m][0]);
+          acc[m][1] = fma(high, load(xg + m * k + j + LANES), acc[m][1]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * p.n + n] = hsum(add(acc[m][0], acc[m][1]));
+  }
+}
+
 template <int BITS, int GS, Real S, int M>
 void quantized_rows_m(const QuantizedProduct& p, const float* x, const float* sums, float* y,
                       int64_t n0, int64_t n1) {
@@ -144,6 +170,10 @@ struct QuantizedKernel {
   struct At {
     static void run(int64_t m0, const QuantizedProduct& p, int64_t n0, int64_t n1) {
       const int64_t groups = p.k / GS;
+      if constexpr (BITS == 4 && HAS_NIBBLE_TABLE) {
+        nibble_table_rows_m<GS, S, M>(p, p.x_permuted + m0 * p.k, p.y + m0 * p.n, n0, n1);
+        return;
+      }
       quantized_rows_m<BITS, GS, S, M>(p, p.x_permuted + m0 * p.k, p.x_group_sums + m0 * groups,
                                    p.y + m0 * p.n, n0, n1);
     }

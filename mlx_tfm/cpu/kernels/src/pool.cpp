@@ -40,9 +40,14 @@ int available_cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// Workers spin this long after a job before sleeping: decoding calls the pool every few
-// tens of microseconds, and waking a sleeping thread costs about as much.
-constexpr auto SPIN = std::chrono::microseconds(200);
+// Workers spin this long after a job before sleeping (MLX_TFM_KERNELS_SPIN_US, default
+// 20): decoding calls the pool every few tens of microseconds, and waking a sleeping
+// thread costs about as much; spinning longer takes a core from the thread that builds
+// the next step's graph.
+std::chrono::microseconds spin_time() {
+  const char* env = std::getenv("MLX_TFM_KERNELS_SPIN_US");
+  return std::chrono::microseconds(env ? std::atoi(env) : 20);
+}
 
 // One call's tasks. Each call gets its own, so a worker that wakes late for an earlier
 // call finds that call's counter exhausted and takes nothing from the next.
@@ -89,8 +94,9 @@ class Pool {
  private:
   void work() {
     uint64_t seen = 0;
+    const auto spin = spin_time();
     while (true) {
-      auto spin_until = std::chrono::steady_clock::now() + SPIN;
+      auto spin_until = std::chrono::steady_clock::now() + spin;
       while (generation_.load(std::memory_order_acquire) == seen &&
              std::chrono::steady_clock::now() < spin_until)
         cpu_relax();

@@ -43,6 +43,19 @@ inline void load_nibbles(const uint8_t* p, F& low, F& high) {
   low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
   high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
+// A group's 16 dequantized values (scale * q + bias for q = 0..15) in one register: a
+// 4-bit row's values are then one permute each (vpermps reads the low 4 bits of each
+// index, so the low nibbles need no mask), where converting and scaling take three.
+constexpr bool HAS_NIBBLE_TABLE = true;
+inline F nibble_table(float scale, float bias) {
+  const F iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+}
+inline void lookup_nibbles(const uint8_t* p, F table, F& low, F& high) {
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = _mm512_permutexvar_ps(bytes, table);
+  high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
 #elif defined(MLX_TFM_ISA_AVX2)
@@ -72,6 +85,9 @@ inline F load_bf16(const uint16_t* p) {
 inline F load_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+constexpr bool HAS_NIBBLE_TABLE = false;
+inline F nibble_table(float, float) { return zero(); }
+inline void lookup_nibbles(const uint8_t*, F, F&, F&) {}
 inline void load_nibbles(const uint8_t* p, F& low, F& high) {
   __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   __m256i mask = _mm256_set1_epi32(0x0F);
@@ -129,6 +145,9 @@ inline F load_u8(const uint8_t* p) {
   for (int i = 0; i < LANES; ++i) r.v[i] = static_cast<float>(p[i]);
   return r;
 }
+constexpr bool HAS_NIBBLE_TABLE = false;
+inline F nibble_table(float, float) { return zero(); }
+inline void lookup_nibbles(const uint8_t*, F, F&, F&) {}
 inline void load_nibbles(const uint8_t* p, F& low, F& high) {
   for (int i = 0; i < LANES; ++i) {
     low.v[i] = static_cast<float>(p[i] & 0x0F);
