@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .cache import QuantizedKV, window_mask
 from .cpu import on_cpu
-from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks
+from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks, kernel_takes_one_query, one_query_attention
 from .cpu.quantized_attention import in_float32
 
 
@@ -86,6 +86,8 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
         return quantized_attention(queries, keys, values, scale, mask, softcap)
     if softcap:
         return softcapped_attention(queries, keys, values, scale, mask, softcap)
+    if on_cpu() and kernel_takes_one_query(queries, mask):
+        return one_query_attention(queries, keys, values, scale)
     if on_cpu() and queries.shape[2] > QUERY_BLOCK:
         return attention_by_query_blocks(queries, keys, values, scale, mask, QUERY_BLOCK)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

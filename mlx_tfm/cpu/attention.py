@@ -1,8 +1,11 @@
-"""Attention on MLX's CPU backend: the fused op over a block of queries at a time."""
+"""Attention on MLX's CPU backend: the fused op over a block of queries at a time; a
+decoding step's single query through mlx_tfm's kernel where it is in use."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from .kernels import kernels
 
 # Measured: the 135M model's 1024-token prompt took 4.3 s and peaked 32 MB above the
 # weights this way, against 5.1 s and 43 MB unblocked.
@@ -31,3 +34,16 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=rows)
         outputs.append(out)
     return mx.concatenate(outputs, axis=2)
+
+
+def kernel_takes_one_query(queries, mask, sinks=None) -> bool:
+    """Whether a decoding step's attention (one query, every cached position visible: no
+    mask, or "causal", which for one query at the end is the same) goes through mlx_tfm's
+    kernel: one call per layer instead of MLX's chain of ops over OpenBLAS."""
+    return (kernels() is not None and queries.shape[2] == 1 and sinks is None
+            and (mask is None or isinstance(mask, str)))
+
+
+def one_query_attention(queries, keys, values, scale: float) -> mx.array:
+    """(B, n_heads, 1, head_dim) over keys, values (B, n_kv_heads, S, head_dim)."""
+    return kernels().one_query_attention(queries, keys, values, scale=scale)
