@@ -5,8 +5,9 @@ Every round of the engine (``Engine.step``):
 
 1. takes in new requests and cancellations (a cancelled row is gone before the next
    forward pass);
-2. admits waiting requests while the batch has room: each reuses the longest prefix
-   the shared prompt cache holds (``PromptCachePool``) and joins the *prefill group*;
+2. admits waiting requests while the batch has room and the prompt tokens left to read
+   fit one prefill step: each reuses the longest prefix the shared prompt cache holds
+   (``PromptCachePool``) and joins the *prefill group*;
 3. runs one chunk of prompt through the prefill group (all its rows together, each
    feeding the same number of its own tokens, ``prefill_step_size`` tokens in all), so
    running streams keep flowing while long prompts are read; a row whose prompt is in
@@ -120,9 +121,13 @@ class Row:
         return len(self.request.prompt)
 
     @property
+    def pending(self) -> int:
+        """Prompt tokens still to prefill (all but the last, which the first decoding step feeds)."""
+        return max(0, self.prompt_length - 1 - self.fed)
+
+    @property
     def prefilled(self) -> bool:
-        """All of the prompt but its last token is in the cache."""
-        return self.fed >= self.prompt_length - 1
+        return self.pending == 0
 
     def event(self, token, text, finish_reason, logprob=None, top=None, error=None) -> Event:
         return Event(token=token, text=text, logprob=logprob, top_logprobs=top, finish_reason=finish_reason,
@@ -337,8 +342,16 @@ class Engine:
         row.pieces = TextPieces(self.tokenizer, mx.array(prompt), list(request.stop_strings))
 
     def _admit(self) -> None:
+        """Waiting requests join the prefill group while the batch has room and the group's
+        prompt tokens still to read fit one prefill step (a first row always joins): a few
+        prompts are read whole at once, so their streams start sooner than if every waiting
+        prompt were read a slice at a time."""
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
-            row = self._waiting.popleft()
+            row = self._waiting[0]
+            pending = row.prompt_length - 1 - self.pool.find(row.tokens, limit=row.prompt_length - 1)[1]
+            if self._prefilling and pending + sum(r.pending for r in self._prefilling) > self.prefill_step_size:
+                return
+            self._waiting.popleft()
             entry, cached = self.pool.lookup(row.tokens, limit=row.prompt_length - 1)
             states = self.pool.prefix_states(entry, cached) if entry else [(None, None)] * len(self.windows)
             row.cached_tokens = row.fed = cached
@@ -356,7 +369,7 @@ class Engine:
         rows = self._prefilling
         if not rows:
             return
-        length = min(min(r.prompt_length - 1 - r.fed for r in rows), max(1, self.prefill_step_size // len(rows)))
+        length = min(min(r.pending for r in rows), max(1, self.prefill_step_size // len(rows)))
         chunk = mx.array([r.tokens[r.fed : r.fed + length] for r in rows])  # (G, length)
         try:
             self.model(chunk, cache=self._prefill_cache)

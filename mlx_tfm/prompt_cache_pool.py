@@ -26,20 +26,26 @@ class PromptCachePool:
         self.misses = 0
         self._next_key = 0
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[TokenCache | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` and that length (at most
-        ``limit``); (None, 0) when none shares any. Counts a hit or a miss."""
+    def find(self, tokens: list[int], limit: int) -> tuple[int | None, int]:
+        """The key of the entry sharing the longest prefix with ``tokens`` and that length
+        (at most ``limit``); (None, 0) when none shares any. Changes nothing."""
         best_key, best_length = None, 0
         for key, entry in self.entries.items():
             length = min(common_prefix_length(entry.tokens, tokens), limit)
             if length > best_length:
                 best_key, best_length = key, length
-        if best_key is None:
+        return best_key, best_length
+
+    def lookup(self, tokens: list[int], limit: int) -> tuple[TokenCache | None, int]:
+        """As ``find``, returning the entry; counts a hit or a miss and marks the entry
+        as used."""
+        key, length = self.find(tokens, limit)
+        if key is None:
             self.misses += 1
             return None, 0
         self.hits += 1
-        self.entries.move_to_end(best_key)
-        return self.entries[best_key], best_length
+        self.entries.move_to_end(key)
+        return self.entries[key], length
 
     @staticmethod
     def prefix_states(entry: TokenCache, length: int) -> list[tuple[mx.array, mx.array]]:
