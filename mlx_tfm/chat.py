@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from .atomic import atomic_file
 from .errors import UserError
 from .prompt_cache import TokenCache
+from .text_to_text import check_decoder
 
 # -- sampling settings (the /set parameters) --------------------------------------------
 
@@ -186,6 +187,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, settings: Settings | None = None, system_prompt: str | None = None,
                  max_kv_size: int | None = None, model_name: str = "", on_notice: Callable[[str], None] = print,
                  kv_quantization=None, draft_model=None, num_draft_tokens: int = 3, prompt_lookup_num_tokens: int = 0):
+        check_decoder(model, "chat")
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings or Settings()

@@ -20,6 +20,7 @@ import mlx.core as mx
 from .cache import DEFAULT_QUANTIZED_KV_START, KVQuantization, RotatingKVCache, check_quantizable, quantized_layers
 from .errors import UserError
 from .sample import LogitsProcessor, Sampler, greedy
+from .text_to_text import decoder_for_prompt
 from .tokenizer import Tokenizer
 
 
@@ -270,7 +271,10 @@ def stream_generate(
     ``num_draft_tokens`` ahead (its ``draft_cache`` holding the same positions as
     ``prompt_cache``), or ``prompt_lookup_num_tokens`` guessed from the prompt. ``kv_bits``
     (4 or 8) quantizes the cache's ``KVCache`` layers once they hold more than
-    ``quantized_kv_start`` positions, in groups of ``kv_group_size``."""
+    ``quantized_kv_start`` positions, in groups of ``kv_group_size``. An encoder-decoder
+    (T5) reads ``prompt`` with its encoder once and decodes from its start token."""
+    if model.args.kind != "decoder":
+        model, prompt = decoder_for_prompt(model, tokenizer, prompt)
     check_vocabulary(model, tokenizer)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_prompt_tokens(prompt_tokens, model.args.vocab_size)

@@ -29,7 +29,7 @@ LAYERS = {
     "mlx_tfm.chat_commands": 5, "mlx_tfm.training": 5, "mlx_tfm.batching": 5, "mlx_tfm.batch_cache": 5,
     "mlx_tfm.batch_sampling": 5, "mlx_tfm.prompt_cache_pool": 5, "mlx_tfm.inspect": 5,
     "mlx_tfm.perplexity": 5, "mlx_tfm.speculative": 5, "mlx_tfm.distributed": 5, "mlx_tfm.embeddings": 5,
-    "mlx_tfm.encoder_tasks": 5,
+    "mlx_tfm.encoder_tasks": 5, "mlx_tfm.text_to_text": 5,
     # 6 interfaces: the command line, the server, the package's entry points
     "mlx_tfm.cli": 6, "mlx_tfm.server": 6, "mlx_tfm.convert.__main__": 6, "mlx_tfm.__main__": 6, "mlx_tfm": 6,
 }

@@ -261,6 +261,7 @@ def run(args) -> int:
     from ..chat import ChatSession, Settings, check_settings
     from ..errors import UserError
     from ..loading import load
+    from ..text_to_text import check_decoder
     from .generate import choose_model
 
     settings = Settings(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -271,6 +272,7 @@ def run(args) -> int:
     decoding_flags.check(args)
     model_path = choose_model(args.model)
     model, tokenizer = load(model_path, adapter_path=args.adapter_path)
+    check_decoder(model, "chat")
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
     mx.random.seed(settings.seed)

@@ -73,6 +73,8 @@ def run(args) -> int:
         mx.random.seed(args.seed)
 
     model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path)
+    if model.args.kind != "decoder":
+        return run_text_to_text(args, model, tokenizer, sampler, processors)
     check_vocabulary(model, tokenizer)
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
@@ -99,6 +101,33 @@ def run(args) -> int:
     print(flush=True)
     if cache_file is not None and not cache_file.exists():
         save_prompt_only(cache_file, token_cache, prompt_tokens, generated)
+    if args.verbose and response is not None:
+        print(format_stats(response), file=sys.stderr)
+    return 0
+
+
+def run_text_to_text(args, model, tokenizer, sampler, processors) -> int:
+    """T5 (and an encoder's one-line refusal): the prompt, with its special tokens, goes to
+    the encoder once; the decoder streams as a decoder-only model would. The flags that
+    keep or reuse a decoder's cache of the prompt do not apply."""
+    from ..errors import UserError
+    from ..generate import format_stats, stream_generate
+    from ..text_to_text import check_decoder
+
+    check_decoder(model, "generate")
+    for flag, value in (("--prompt-cache-file", args.prompt_cache_file), ("--max-kv-size", args.max_kv_size),
+                        ("--kv-bits", args.kv_bits), ("--draft-model", args.draft_model),
+                        ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
+        if value:
+            raise UserError(f"{flag} is for decoder-only models; {model.args.model_type} is an encoder-decoder")
+    prompt = read_prompt(args.prompt)
+    if args.system_prompt:
+        prompt = f"{args.system_prompt}\n\n{prompt}"
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, args.max_tokens, sampler, processors,
+                                    stop_strings=args.stop):
+        print(response.text, end="", flush=True)
+    print(flush=True)
     if args.verbose and response is not None:
         print(format_stats(response), file=sys.stderr)
     return 0
