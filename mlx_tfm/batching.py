@@ -257,6 +257,8 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
+                if not self.busy:
+                    mx.clear_cache()  # idle: give MLX's cached buffers back
                 with self._lock:
                     while not (self._stopping or self._incoming or self._cancelled or self.busy):
                         self._lock.wait()
