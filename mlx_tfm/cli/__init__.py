@@ -23,6 +23,9 @@ SUBCOMMANDS = {
     "fuse": "mlx_tfm.cli.fuse",
     "inspect": "mlx_tfm.cli.inspect",
     "server": "mlx_tfm.cli.server",
+    "embed": "mlx_tfm.cli.embed",
+    "fill-mask": "mlx_tfm.cli.fill_mask",
+    "rerank": "mlx_tfm.cli.rerank",
     "perplexity": "mlx_tfm.cli.perplexity",
 }
 
