@@ -240,8 +240,8 @@ class Engine:
             recent = list(self._recent)
             stats = dict(self._stats)
             finished = dict(self._finished)
-        span = time.perf_counter() - recent[0][0] if recent else 0.0
-        tps = sum(n for _, n in recent) / span if span > 0 else 0.0
+        span = max(time.perf_counter() - recent[0][0], 1.0) if recent else 1.0
+        tps = sum(n for _, n in recent) / span
         return {
             "running": len(self._running) + len(self._prefilling),
             "waiting": len(self._waiting) + len(self._incoming),
@@ -479,6 +479,7 @@ class Engine:
         except Exception as error:
             self._fail_decoding(error, step.rows)
             return
+        generated = 0
         for i, row in enumerate(step.rows):
             if row.finish_reason is not None:  # cancelled, failed, or finished a step earlier
                 continue
@@ -486,10 +487,11 @@ class Engine:
                 self._fail([row], "the model produced NaN logits")
                 continue
             self._advance(row, tokens[i], chosen[i], alternatives[i])
+            generated += 1
         with self._stats_lock:
-            self._stats["generation_tokens_total"] += len(step.rows)
+            self._stats["generation_tokens_total"] += generated
             now = time.perf_counter()
-            self._recent.append((now, len(step.rows)))
+            self._recent.append((now, generated))
             while self._recent and now - self._recent[0][0] > TPS_WINDOW_S:
                 self._recent.popleft()
         self._drop_finished()

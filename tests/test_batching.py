@@ -522,6 +522,9 @@ def test_a_second_turn_reuses_the_first_and_answers_as_a_cold_run(stories):
     metrics = engine.metrics()
     assert metrics["prompt_cache_hits"] == 1 and metrics["prompt_cache_misses"] == 1
     assert 0 < metrics["prompt_cache_bytes"] <= 1 << 30
+    assert metrics["generation_tokens_total"] == 60 and metrics["prompt_tokens_total"] == len(first) + len(second)
+    assert metrics["requests_total"] == {"length": 2} and metrics["running"] == metrics["waiting"] == 0
+    assert metrics["generation_tps"] > 0
 
 
 def test_one_conversation_never_leaks_into_another(stories):
