@@ -174,6 +174,18 @@ def test_quantized_rows_take_int32_ids_and_strided_ids():
     assert_close(result, reference, mx.abs(reference), 1)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", FLOATS)
+def test_dequantize_equals_mlx_dequantize(bits, group_size, scale_dtype):
+    weight, scales, biases = quantized(77, 3 * group_size, group_size, bits, FLOATS[scale_dtype])
+    weight, scales, biases = (a[5:66] for a in (weight, scales, biases))  # a row slice, at an offset
+    result = K.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
+    reference = dequantized(weight, scales, biases, group_size, bits)
+    assert result.dtype == mx.float32 and result.shape == reference.shape
+    assert_close(result, reference, mx.abs(reference), 1)
+
+
 # -- attention of one query (a decoding step) ----------------------------------------------
 
 

@@ -27,6 +27,8 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &k::quantized_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "Rows ids of the dequantized w (a quantized embedding lookup).");
+  m.def("dequantize", &k::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+        "stream"_a = nb::none(), "dequantize(w, scales, biases) as float32 (n, k), on every core.");
   m.def("one_query_attention", &k::one_query_attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(),
         "scale"_a, "stream"_a = nb::none(),
         "Attention of queries (B, H, 1, D) over keys, values (B, H_kv, S, D), every position visible.");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels.h"
 #include "simd.h"
@@ -266,8 +267,51 @@ inline void attention_heads(const AttentionProblem& p, int64_t i0, int64_t i1, f
   }
 }
 
+template <int BITS, Real S>
+void dequantize_rows_of(const QuantizedProduct& p, float* out, int64_t n0, int64_t n1) {
+  const int64_t k = p.k, gs = p.group_size, groups = k / gs, row_bytes = k * BITS / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.w + n * row_bytes;
+    float* o = out + n * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const F scale = set1(scalar_real<S>(p.scales, n * groups + g));
+      const F bias = set1(scalar_real<S>(p.biases, n * groups + g));
+      for (int64_t j = g * gs; j < (g + 1) * gs; j += 2 * LANES) {
+        if constexpr (BITS == 4) {
+          // The nibbles come out as (even positions, odd positions): interleave on store.
+          F low, high;
+          load_nibbles(w + j / 2, low, high);
+          float lo[LANES], hi[LANES];
+          store(lo, fma(low, scale, bias));
+          store(hi, fma(high, scale, bias));
+          for (int i = 0; i < LANES; ++i) {
+            o[j + 2 * i] = lo[i];
+            o[j + 2 * i + 1] = hi[i];
+          }
+        } else {
+          store(o + j, fma(load_u8(w + j), scale, bias));
+          store(o + j + LANES, fma(load_u8(w + j + LANES), scale, bias));
+        }
+      }
+    }
+  }
+}
+
+inline void dequantize_rows(const QuantizedProduct& p, float* out, int64_t n0, int64_t n1) {
+  auto by_scale = [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    switch (p.scale_type) {
+      case Real::F32: dequantize_rows_of<B, Real::F32>(p, out, n0, n1); break;
+      case Real::F16: dequantize_rows_of<B, Real::F16>(p, out, n0, n1); break;
+      case Real::BF16: dequantize_rows_of<B, Real::BF16>(p, out, n0, n1); break;
+    }
+  };
+  if (p.bits == 4) by_scale(std::integral_constant<int, 4>{});
+  else by_scale(std::integral_constant<int, 8>{});
+}
+
 const Kernels& kernels() {
-  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads};
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads, dequantize_rows};
   return set;
 }
 

@@ -155,6 +155,18 @@ void quantized_product(const mx::array& x, const mx::array& w, const mx::array& 
   store(y, out);
 }
 
+void dequantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                 mx::array& out) {
+  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits;
+  std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
+  const QuantizedProduct p{contiguous_bytes(w, w_scratch), bits, group_size, n, k,
+                           contiguous_bytes(scales, s_scratch), contiguous_bytes(biases, b_scratch),
+                           real_of(scales.dtype()), nullptr, nullptr, 0, nullptr};
+  const Kernels& kernels = best_kernels();
+  float* y = out.data<float>();
+  over_rows(n, k * bits / 8, [&](int64_t n0, int64_t n1) { kernels.dequantize_rows(p, y, n0, n1); });
+}
+
 int64_t id_at(const uint8_t* bytes, mx::Dtype dtype, size_t i) {
   switch (dtype) {
     case mx::uint32: { uint32_t v; std::memcpy(&v, bytes + 4 * i, 4); return v; }
@@ -288,6 +300,13 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                    std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits), {x, w, scales, biases});
 }
 
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                     int bits, mx::StreamOrDevice s) {
+  check_quantized(w, scales, biases, group_size, bits);
+  return mx::array({w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
+                   std::make_shared<Dequantize>(cpu_stream(s), group_size, bits), {w, scales, biases});
+}
+
 mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   check_quantized(w, scales, biases, group_size, bits);
@@ -343,6 +362,20 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
     quantized_product(in[0], in[1], in[2], in[3], group_size, bits, o);
   });
+}
+
+void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int group_size = group_size_, bits = bits_;
+  dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
+    dequantized(in[0], in[1], in[2], group_size, bits, o);
+  });
+}
+
+void Dequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+
+bool Dequantize::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Dequantize&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
 void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

@@ -27,6 +27,24 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
 mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
                               float scale, mx::StreamOrDevice s = {});
 
+// dequantize(w, scales, biases) as float32 (n, k), on every core: a prompt's quantized
+// products then run as float32 BLAS.
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                     int bits, mx::StreamOrDevice s = {});
+
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_, bits_;
+};
+
 class OneQueryAttention : public mx::UnaryPrimitive {
  public:
   OneQueryAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
