@@ -10,7 +10,8 @@ HELP = "Pre-train a small model from scratch (AdamW, warmup + cosine, resumable 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # A flag left out stays out of the namespace: the defaults live in PretrainOptions.
     p.argument_default = argparse.SUPPRESS
-    p.add_argument("--config", help="preset (micro, tiny, small) or a ModelArgs JSON file")
+    p.add_argument("--objective", help="clm: next token, a decoder (default); mlm: masked tokens, a BERT encoder")
+    p.add_argument("--config", help="preset (micro, tiny, small) or a ModelArgs JSON file (mlm: BertConfig keys)")
     p.add_argument("--data", required=True, help="a .txt corpus or a folder with train.jsonl (and valid.jsonl)")
     p.add_argument("--tokenizer", help="'byte', or a folder with tokenizer.model / tokenizer.json")
     p.add_argument("--output", "-o", help="output folder (model, checkpoints, plots)")

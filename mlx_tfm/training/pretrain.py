@@ -17,14 +17,16 @@ import mlx.optimizers as optim
 
 from ..atomic import atomic_files_into, remove_stale_temporaries
 from ..errors import UserError
-from ..model import Model, count_parameters
+from ..encoders import make_model
+from ..model import count_parameters
 from .checkpoints import CHECKPOINTS, list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
 from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer, tokenizer_folder
-from .options import Rule, check_options, non_negative, positive, whole
+from .options import Rule, check_options, non_negative, one_of, positive, whole
 from .presets import model_args_for
 from .reporting import ProgressReporter
 from .schedule import warmup_cosine
-from .trainer import TrainingArgs, TrainingDiverged, train
+from .mlm import mlm_setup
+from .trainer import TrainingArgs, TrainingDiverged, loss_fn, train
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class PretrainOptions:
     when created: a bad value is one line naming the flag."""
 
     data: str
+    objective: str = "clm"  # "clm": the next token (a decoder); "mlm": BERT's masked tokens (training/mlm.py)
     config: str = "tiny"  # a preset (micro, tiny, small) or a ModelArgs JSON file
     tokenizer: str = "byte"
     output: str = "trained_model"
@@ -61,7 +64,7 @@ class PretrainOptions:
 
 
 PRETRAIN_RULES = {
-    "data": Rule(str), "config": Rule(str), "tokenizer": Rule(str), "output": Rule(str),
+    "data": Rule(str), "objective": one_of(("clm", "mlm")), "config": Rule(str), "tokenizer": Rule(str), "output": Rule(str),
     "iters": whole(1), "batch_size": whole(1), "seq_len": whole(1),
     "learning_rate": positive(), "min_learning_rate": non_negative(), "warmup_steps": whole(0),
     "weight_decay": non_negative(), "grad_clip": non_negative(), "grad_accumulation_steps": whole(1),
@@ -72,7 +75,7 @@ PRETRAIN_RULES = {
 
 # Options that fix the trajectory and its record: a resumed run takes them from its checkpoint.
 TRAJECTORY = (
-    "config", "tokenizer", "data", "val_fraction", "iters", "batch_size", "seq_len", "learning_rate",
+    "objective", "config", "tokenizer", "data", "val_fraction", "iters", "batch_size", "seq_len", "learning_rate",
     "min_learning_rate", "warmup_steps", "weight_decay", "grad_clip", "grad_accumulation_steps", "seed",
     "val_batches", "steps_per_eval", "log_grad_norms",
 )  # fmt: skip
@@ -120,15 +123,19 @@ def pretrain(options: PretrainOptions) -> int:
 
     tokenizer = load_training_tokenizer(options.tokenizer)
     tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else tokenizer_folder(options.tokenizer)
-    model_args = model_args_for(options.config, tokenizer.vocab_size)
-    config = model_config(model_args, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
+    if options.objective == "mlm":
+        model_args, config, loss = mlm_setup(options.config, tokenizer, options.seq_len)
+    else:
+        model_args = model_args_for(options.config, tokenizer.vocab_size)
+        config = model_config(model_args, tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids))
+        loss = loss_fn
     train_tokens, valid_tokens = load_corpus(options.data, tokenizer, options.val_fraction)
     windows = TokenWindows(train_tokens, options.batch_size, options.seq_len, options.seed)
     has_valid = len(valid_tokens) > options.seq_len + 1
     valid = TokenWindows(valid_tokens, options.batch_size, options.seq_len, options.seed) if has_valid else None
 
     mx.random.seed(options.seed)
-    model = Model(model_args)
+    model = make_model(model_args)
     optimizer = build_optimizer(options)
     start_step = 0
     if state is not None:
@@ -153,7 +160,7 @@ def pretrain(options: PretrainOptions) -> int:
     reporter.save = save
     valid_batches = (lambda: valid.evaluation(options.val_batches)) if valid is not None else None
     try:
-        train(model, optimizer, windows.batch, valid_batches, training_args(options), reporter, start_step)
+        train(model, optimizer, windows.batch, valid_batches, training_args(options), reporter, start_step, loss)
     except KeyboardInterrupt:
         reporter.close()
         print(f"\ninterrupted; {_last_checkpoint_note(output)}", file=sys.stderr)
