@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
 
 from .cache import KVQuantization, quantized_layers
 from .errors import UserError
@@ -54,8 +52,10 @@ class PerplexityResult:
 # -- data ----------------------------------------------------------------------------------
 
 
-def read_token_stream(path: str | Path, tokenizer, seed: int = DEFAULT_SEED, split: str | None = None) -> np.ndarray:
+def read_token_stream(path: str | Path, tokenizer, seed: int = DEFAULT_SEED, split: str | None = None) -> mx.array:
     """One stream of token ids (N,) from a .txt file, a .jsonl file or a folder of them."""
+    import numpy as np  # here: `import mlx_tfm` imports this module and stays without numpy
+
     from .training.data import SPLITS, encode_record, load_split, read_jsonl
 
     path = Path(path).expanduser()
@@ -68,13 +68,13 @@ def read_token_stream(path: str | Path, tokenizer, seed: int = DEFAULT_SEED, spl
         examples = [encode_record(record, tokenizer, f"{path}:{n}")[0] for n, record in read_jsonl(path)]
     elif path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
-        return np.array(tokenizer.encode(text), np.int32)
+        return mx.array(tokenizer.encode(text), mx.int32)
     else:
         raise UserError(f"--data {path} does not exist (give a .txt or .jsonl file, or a folder with test.jsonl)")
     if not examples:
         raise UserError(f"{path} has no examples")
     order = np.random.RandomState(seed).permutation(len(examples))  # mlx_lm's order under its seed
-    return np.concatenate([np.array(examples[i], np.int32) for i in order])
+    return mx.array([token for i in order for token in examples[i]], mx.int32)
 
 
 def windows(n_tokens: int, sequence_length: int, stride: int) -> list[tuple[int, int]]:
@@ -97,8 +97,9 @@ def token_losses(model, inputs: mx.array, targets: mx.array, cache: list | None 
     chunk = max(1, LOGITS_PER_CHUNK // (B * model.args.vocab_size))
     losses = []
     for start in range(0, L, chunk):
-        logits = model.head(hidden[:, start : start + chunk]).astype(mx.float32)
-        losses.append(nn.losses.cross_entropy(logits, targets[:, start : start + chunk], reduction="none"))
+        logits = model.head(hidden[:, start : start + chunk]).astype(mx.float32)  # (B, chunk, V)
+        picked = mx.take_along_axis(logits, targets[:, start : start + chunk, None], axis=-1)[..., 0]
+        losses.append(mx.logsumexp(logits, axis=-1) - picked)
     return mx.concatenate(losses, axis=1)
 
 
@@ -128,31 +129,32 @@ def perplexity(model, tokenizer, data, sequence_length: int = 512, stride: int |
     quantization = None if kv_bits is None else KVQuantization(kv_bits, kv_group_size, start=0)
     if quantization is not None:
         quantization.check(model.args.head_dim)
-    tokens = np.asarray(data, np.int32) if not isinstance(data, (str, Path)) else read_token_stream(
-        data, tokenizer, seed, split)
-    spans = windows(len(tokens), sequence_length, stride)
+    tokens = read_token_stream(data, tokenizer, seed, split) if isinstance(data, (str, Path)) else mx.array(data)
+    tokens = tokens.reshape(-1).astype(mx.int32)
+    spans = windows(tokens.size, sequence_length, stride)
     if not spans:
-        raise UserError(f"the data holds {len(tokens)} tokens, fewer than one window of --sequence-length "
+        raise UserError(f"the data holds {tokens.size} tokens, fewer than one window of --sequence-length "
                         f"{sequence_length}")
     spans = spans if num_samples == -1 else spans[:num_samples]
     scored = []
     for done in range(0, len(spans), batch_size):
         batch = spans[done : done + batch_size]
-        rows = mx.array(np.stack([tokens[start : start + sequence_length] for start, _ in batch]))  # (B, L)
+        rows = mx.stack([tokens[start : start + sequence_length] for start, _ in batch])  # (B, L)
         cache = None if quantization is None else quantized_layers(model.make_cache(), quantization)
-        losses = np.array(token_losses(model, rows[:, :-1], rows[:, 1:], cache))  # (B, L - 1)
+        losses = token_losses(model, rows[:, :-1], rows[:, 1:], cache)  # (B, L - 1)
         scored += [row[first:] for row, (_, first) in zip(losses, batch)]
+        mx.eval(scored)
         if progress is not None:
             progress(min(done + batch_size, len(spans)), len(spans))
-    return summarize(np.concatenate(scored).astype(np.float64), len(spans))
+    return summarize(mx.concatenate(scored), len(spans))
 
 
-def summarize(losses: np.ndarray, n_windows: int) -> PerplexityResult:
-    mean = float(losses.mean())
+def summarize(losses: mx.array, n_windows: int) -> PerplexityResult:
+    mean = losses.mean().item()
     ppl = math.exp(mean)
-    spread = float(losses.std(ddof=1)) if losses.size > 1 else 0.0
+    spread = mx.sqrt(mx.var(losses, ddof=1)).item() if losses.size > 1 else 0.0
     return PerplexityResult(perplexity=ppl, standard_error=ppl * spread / math.sqrt(losses.size), mean_loss=mean,
-                            tokens=int(losses.size), windows=n_windows)
+                            tokens=losses.size, windows=n_windows)
 
 
 __all__ = ["perplexity", "PerplexityResult", "read_token_stream", "windows"]

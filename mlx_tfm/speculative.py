@@ -85,7 +85,7 @@ def check_settings(num_draft_tokens: int, prompt_lookup_num_tokens: int, draft_m
     if num_draft_tokens < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {num_draft_tokens}")
     if prompt_lookup_num_tokens < 0:
-        raise UserError(f"--prompt-lookup-num-tokens must be at least 1, got {prompt_lookup_num_tokens}")
+        raise UserError(f"--prompt-lookup-num-tokens must be at least 1 (or 0: off), got {prompt_lookup_num_tokens}")
     if draft_model is not None and prompt_lookup_num_tokens:
         raise UserError("use either a draft model or prompt lookup, not both")
 

@@ -134,7 +134,7 @@ def test_equals_mlx_lm_perplexity_on_the_same_data_and_settings(stories, stories
     lm_ppl, lm_error = mlx_lm_perplexity.eval_ppl(lm_model, data, batch_size=4)
 
     model, tokenizer = stories
-    tokens = read_token_stream(jsonl_file, tokenizer)
+    tokens = np.array(read_token_stream(jsonl_file, tokenizer))
     ours_windows = np.stack([tokens[start : start + L] for start, _ in windows(len(tokens), L, L)[:num_samples]])
     assert np.array_equal(ours_windows, np.array(data))  # the very same windows
     ours = mlx_tfm.perplexity(model, tokenizer, jsonl_file, sequence_length=L, num_samples=num_samples, batch_size=4)

@@ -365,3 +365,24 @@ def test_cli_prints_the_acceptance_rate(stories_hf, tmp_path, capsys):
     line = next(line for line in err.splitlines() if line.startswith("Speculative: "))
     accepted, drafted = (int(x) for x in line.split()[1:4:2])
     assert 0 < accepted < drafted and f"({accepted / drafted:.1%})" in line
+
+
+def test_the_few_rows_of_a_verification_pass_take_the_decoding_kernel(monkeypatch):
+    """Checking k guesses multiplies k + 1 rows: with mlx_tfm's kernel in use they take it
+    (MLX's x @ W.T is several times slower for so few rows), and the numbers are the
+    generic route's."""
+    from mlx_tfm.cpu import generic_routes, specialize
+    from mlx_tfm.cpu import linear as cpu_linear
+    from mlx_tfm.cpu.kernels import kernels
+
+    calls = []
+    original = cpu_linear.float32_decode_product
+    monkeypatch.setattr(cpu_linear, "float32_decode_product", lambda x, w: calls.append(x.shape) or original(x, w))
+    model = specialize(tiny_model(2))
+    rows = mx.array([[1, 2, 3, 4]])
+    out = model(rows)
+    assert bool(calls) == (kernels() is not None) and all(shape[1] == 4 for shape in calls)
+    with generic_routes():
+        reference = model(rows)
+    np.testing.assert_allclose(np.array(out), np.array(reference), rtol=1e-5, atol=1e-5)
+    assert not cpu_linear.few_rows(16) and cpu_linear.few_rows(1)
