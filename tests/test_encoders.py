@@ -11,7 +11,8 @@ import mlx.core as mx
 from fixtures.encoder_models import TINY_ENCODERS, padded_batch, random_encoder, random_t5
 from mlx_tfm.loading import load_model
 
-ROWS = [[2, 7, 9, 11, 13, 15, 17, 19, 3], [2, 8, 10, 12, 3], [2, 30, 3]]
+# the first row is longer than the CPU attention's block of 32 queries: padding masks cross blocks
+ROWS = [[2, *range(5, 45), 3], [2, 7, 9, 11, 13, 15, 17, 19, 3], [2, 8, 10, 12, 3], [2, 30, 3]]
 
 
 def valid_rows(reference: np.ndarray, ours: np.ndarray, mask: np.ndarray) -> float:

@@ -30,7 +30,8 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
             seen = S - L + stop
             out = mx.fast.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], scale=scale, mask=mask)
         else:
-            rows = None if mask is None else mask[..., start:stop, :]
+            # a mask broadcast over the queries (an encoder's padding, (B, 1, 1, S)) serves every block
+            rows = mask if mask is None or mask.shape[-2] == 1 else mask[..., start:stop, :]
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=rows)
         outputs.append(out)
     return mx.concatenate(outputs, axis=2)

@@ -28,7 +28,8 @@ from .lora import (
 )
 from .options import Rule, check_options, one_of, positive, whole
 from .reporting import ProgressReporter
-from .trainer import TrainingArgs, TrainingDiverged, evaluate, train
+from .seq2seq import check_prompts, loss_for
+from .trainer import TrainingArgs, TrainingDiverged, evaluate, loss_fn, train
 
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "adafactor": optim.Adafactor}
 SCHEDULES = {
@@ -178,12 +179,17 @@ def finetune(options: FinetuneOptions) -> int:
         raise UserError(f"--data {options.data} is not a folder with train/valid/test .jsonl files")
     mx.random.seed(options.seed)
     model, tokenizer = load(options.model)
+    loss = loss_for(model)
+    if model.args.kind == "encoder-decoder":
+        options = dataclasses.replace(options, mask_prompt=True)  # T5: the prompt is the encoder's input
     adapter_path = Path(options.adapter_path).expanduser()
     if options.train:
         train_set = load_examples(options, "train", tokenizer)
         valid_set = load_examples(options, "valid", tokenizer)
         test_set = load_examples(options, "test", tokenizer) if options.test else None
-        run_training(model, options, train_set, valid_set, adapter_path)
+        if model.args.kind == "encoder-decoder":
+            check_prompts(train_set + valid_set, options.data)
+        run_training(model, options, train_set, valid_set, adapter_path, loss)
     else:
         test_set = load_examples(options, "test", tokenizer)
         if (adapter_path / ADAPTER_CONFIG).is_file():
@@ -191,7 +197,7 @@ def finetune(options: FinetuneOptions) -> int:
     if test_set is not None:
         model.eval()
         batches = LengthGroupedBatches(test_set, options.batch_size, options.seed).evaluation(options.test_batches)
-        test_loss = evaluate(model, batches)
+        test_loss = evaluate(model, batches, loss)
         print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(min(test_loss, 700)):.3f}.")
     return 0
 
@@ -211,7 +217,7 @@ def training_args(options: FinetuneOptions) -> TrainingArgs:
     )
 
 
-def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path) -> None:
+def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path, loss=loss_fn) -> None:
     params = options.lora_parameters
     apply_lora(
         model,
@@ -238,7 +244,7 @@ def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_
     reporter = ProgressReporter(options.iters, save=save)
     try:
         train(model, build_optimizer(options), train_batches.batch,
-              lambda: valid_batches.evaluation(options.val_batches), training_args(options), reporter)
+              lambda: valid_batches.evaluation(options.val_batches), training_args(options), reporter, loss=loss)
     except TrainingDiverged as e:
         reporter.close()
         saved = (adapter_path / ADAPTER_WEIGHTS).is_file()
