@@ -14,8 +14,8 @@ its kernels and with the pure MLX routes, alternating, who goes first too); the 
 
 - prompt tok/s: prompt tokens / time to the first new token (181 tokens);
 - decode tok/s: (new tokens - 1) / time from the first new token to the last (64 greedy);
-- peak MB: the process's peak resident memory (``VmHWM``) less its size before the
-  model was loaded (weights, caches, buffers; not the interpreter and libraries);
+- peak MB: the process's peak resident memory (``VmHWM``) less its size once the engine's
+  modules are imported, before the model is loaded (weights, vocabulary, caches, buffers);
 - GB/s: bytes of weights a decoding step reads (every matrix once, the tied embedding as
   the output head) x decode tok/s, against the machine's read bandwidth measured at the
   start (a float32 matrix-vector product over 512 MB with numpy's BLAS on every core, and
@@ -276,6 +276,12 @@ def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> di
     sys.path.insert(0, str(Path(__file__).parent))
     from stream_timing import time_stream
 
+    import mlx_tfm.generate  # noqa: F401  (the modules loading imports: not the engine's memory)
+    import mlx_tfm.loading  # noqa: F401
+    import tokenizers  # noqa: F401
+
+    if engine == "mlx-lm":
+        import mlx_lm  # noqa: F401
     before = rss_mb()
     if engine == "mlx-lm":
         import mlx_lm
