@@ -136,15 +136,25 @@ def encode(model, tokenizer, texts: str | list[str], batch_size: int = 32, norma
     prompt_length = 0
     if prefix and not modules.include_prompt:
         prompt_length = len(tokenize(tokenizer, [prefix], None, limit, notify)[0][0]) - 1
-    out: list[np.ndarray | None] = [None] * len(texts)
     pad_id = tokenizer.special_token_id("pad_token") or 0
+    result = embed_encoded(model, encoded, pad_id, batch_size, normalize, truncate_dim, modes, prompt_length)
+    return result[0] if single else result
+
+
+def embed_encoded(model, encoded: list[tuple[list[int], list[int]]], pad_id: int = 0, batch_size: int = 32,
+                  normalize: bool | None = None, truncate_dim: int | None = None, pooling: tuple[str, ...] | None = None,
+                  prompt_length: int = 0) -> np.ndarray:
+    """Embeddings (N, dims) of texts already tokenized: (ids, token type ids) each, within
+    the model's max_seq_length. ``pooling`` None: the folder's modes."""
+    modules = sentence_modules(model)
+    modes = modules.pooling if pooling is None else pooling
+    out: list[np.ndarray | None] = [None] * len(encoded)
     for rows, ids, types, mask in batches(encoded, batch_size, pad_id):
         vectors = embed_batch(model, ids, types, mask, modules, modes, prompt_length)
         vectors = finish(vectors, truncate_dim, modules.normalize if normalize is None else normalize)
         for row, vector in zip(rows, np.array(vectors)):
             out[row] = vector
-    result = np.stack(out) if out else np.zeros((0, 0), np.float32)
-    return result[0] if single else result
+    return np.stack(out) if out else np.zeros((0, 0), np.float32)
 
 
 def finish(vectors: mx.array, truncate_dim: int | None, normalize: bool) -> mx.array:
@@ -156,4 +166,4 @@ def finish(vectors: mx.array, truncate_dim: int | None, normalize: bool) -> mx.a
     return vectors
 
 
-__all__ = ["encode", "EmbeddingNotice", "check_encoder", "tokenize", "batches", "max_tokens", "sentence_modules"]
+__all__ = ["encode", "embed_encoded", "EmbeddingNotice", "check_encoder", "tokenize", "batches", "max_tokens", "sentence_modules"]

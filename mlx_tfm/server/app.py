@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from .completions import Serving, chat_completions, completions
+from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
 from .metrics import RequestCounter, prometheus_text
 from .settings import ServerSettings
@@ -41,6 +42,11 @@ def load_serving(settings: ServerSettings) -> Serving:
     from .constrained import grammar_tokenizer
 
     model, tokenizer = load(settings.model, adapter_path=settings.adapter_path)
+    if model.args.kind == "encoder":  # embeddings and rerank (server/embeddings.py), no engine
+        return encoder_serving(model, tokenizer, model_id_of(settings.model))
+    if model.args.kind == "encoder-decoder":
+        raise ValueError(f"an encoder-decoder model ({model.args.model_type}): the server serves decoders and "
+                         "encoders; use mlx-tfm generate")
     check_vocabulary(model, tokenizer)
     engine = Engine(model, tokenizer, max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     prompt_cache_bytes=settings.prompt_cache_bytes, max_kv_size=settings.max_kv_size)
@@ -136,12 +142,22 @@ def build_app(state: ServerState) -> Starlette:
     @endpoint
     async def chat(http: HTTPRequest):
         body = await read_body(http, settings.max_body_bytes)
-        return await chat_completions(state.ready_serving(), http, body)
+        return await chat_completions(decoder_only(state.ready_serving()), http, body)
 
     @endpoint
     async def complete(http: HTTPRequest):
         body = await read_body(http, settings.max_body_bytes)
-        return await completions(state.ready_serving(), http, body)
+        return await completions(decoder_only(state.ready_serving()), http, body)
+
+    @endpoint
+    async def embed(http: HTTPRequest):
+        body = await read_body(http, settings.max_body_bytes)
+        return await embeddings(state.ready_serving(), http, body)
+
+    @endpoint
+    async def rank(http: HTTPRequest):
+        body = await read_body(http, settings.max_body_bytes)
+        return await rerank(state.ready_serving(), http, body)
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlx-tfm"}
@@ -172,6 +188,8 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         *[Route(prefix + "/chat/completions", chat, methods=["POST"]) for prefix in ("/v1", "")],
         *[Route(prefix + "/completions", complete, methods=["POST"]) for prefix in ("/v1", "")],
+        *[Route(prefix + "/embeddings", embed, methods=["POST"]) for prefix in ("/v1", "")],
+        *[Route(prefix + "/rerank", rank, methods=["POST"]) for prefix in ("/v1", "")],
         *[Route(prefix + "/models", list_models, methods=["GET"]) for prefix in ("/v1", "")],
         *[Route(prefix + "/models/{model:path}", get_model, methods=["GET"]) for prefix in ("/v1", "")],
         Route("/health", health, methods=["GET"]),
