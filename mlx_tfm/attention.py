@@ -72,22 +72,27 @@ def quantized_attention(queries, keys: QuantizedKV, values: QuantizedKV, scale: 
     return out.reshape(B, n_heads, L, head_dim)
 
 
-def attention(queries, keys, values, scale: float, mask=None, softcap: float | None = None) -> mx.array:
+def attention(queries, keys, values, scale: float, mask=None, softcap: float | None = None,
+              sinks: mx.array | None = None) -> mx.array:
     """Attention of ``queries`` over ``keys``/``values`` -> (B, n_heads, L, head_dim).
 
-    Quantized keys and values (``QuantizedKV``) and soft-capped scores take their own paths
-    (no fused kernel has them; on the CPU the quantized path computes in float32); on the
-    CPU a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less memory,
-    the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
+    ``sinks`` (n_heads,): gpt-oss's per-head logit that joins every softmax and takes its
+    share of the mass without a value. Quantized keys and values (``QuantizedKV``) and
+    soft-capped scores take their own paths (no fused kernel has them; on the CPU the
+    quantized path computes in float32); on the CPU a chunk of more than ``QUERY_BLOCK``
+    queries goes a block at a time (less memory, the same numbers); everything else is
+    ``mx.fast.scaled_dot_product_attention``."""
     if isinstance(keys, QuantizedKV):
         if on_cpu() and queries.dtype != mx.float32:
-            out = quantized_attention(*in_float32(queries, keys, values), scale, mask, softcap)
+            out = quantized_attention(*in_float32(queries, keys, values), scale, mask, softcap, sinks)
             return out.astype(queries.dtype)
-        return quantized_attention(queries, keys, values, scale, mask, softcap)
+        return quantized_attention(queries, keys, values, scale, mask, softcap, sinks)
     if softcap:
+        if sinks is not None:
+            raise ValueError("attention sinks with soft-capped scores are not supported")
         return softcapped_attention(queries, keys, values, scale, mask, softcap)
-    if on_cpu() and kernel_takes_one_query(queries, mask):
+    if on_cpu() and kernel_takes_one_query(queries, mask, sinks):
         return one_query_attention(queries, keys, values, scale)
     if on_cpu() and queries.shape[2] > QUERY_BLOCK:
-        return attention_by_query_blocks(queries, keys, values, scale, mask, QUERY_BLOCK)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return attention_by_query_blocks(queries, keys, values, scale, mask, QUERY_BLOCK, sinks)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

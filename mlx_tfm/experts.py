@@ -21,7 +21,8 @@ Routers (``ModelArgs.router_scoring``):
 Experts whose scores tie are taken in index order (lower index first).
 
 This file holds only math, like ``model.py``, which builds these blocks (and passes in the
-shared expert and the activation, so nothing here imports the model).
+shared expert and the activation, so nothing here imports the model). On MLX's CPU backend
+the experts take the routes of ``mlx_tfm/cpu/experts.py`` behind the one switch.
 
 Shapes: B batch, L positions, D hidden size, E experts, k experts per position,
 F an expert's intermediate size.
@@ -35,6 +36,9 @@ from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .cpu import experts as cpu_experts
+from .cpu import on_cpu
 
 if TYPE_CHECKING:
     from .model import ModelArgs
@@ -210,6 +214,9 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (..., D), indices (..., k) -> each chosen expert's output (..., k, D)."""
+        indices = mx.stop_gradient(indices)
+        if on_cpu() and cpu_experts.takes(self, indices):
+            return cpu_experts.switch_glu(self, x, indices)
         x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): one row, broadcast over the k experts
         sort = indices.size >= SORT_FROM_PAIRS
         if sort:

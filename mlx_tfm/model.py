@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from .attention import attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
+from .experts import SparseMoeBlock, clamped_swiglu
 from .positions import SinusoidalPositions, make_rope, position_ids
 from .relative_positions import relative_position_bias
 
@@ -58,6 +59,8 @@ class ModelArgs:
     qk_norm_scope: str = "head"  # "head" | "projection" (OLMo 2: one norm over all heads of q, of k)
     attention_scale: float = 0.0  # 0: derived (1/sqrt(head_dim))
     attn_logit_softcapping: float | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head that takes softmax mass
+    clip_qkv: float | None = None  # OLMoE: q, k and v clipped to [-clip_qkv, clip_qkv]
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"
     # positions
@@ -75,6 +78,26 @@ class ModelArgs:
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0  # Cohere multiplies the logits, Granite divides them
     lm_head_bias: bool = False  # Phi-2
+    # mixture of experts (mlx_tfm/experts.py); num_experts 0: every layer dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # 0: derived (= intermediate_size)
+    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" (experts.route)
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    router_bias: bool = False  # gpt-oss: the router has a bias
+    routed_scaling_factor: float = 1.0  # sigmoid routers: weights times this
+    n_group: int = 1  # sigmoid routers: experts chosen from the best topk_group of n_group groups
+    topk_group: int = 1
+    expert_bias: bool = False  # gpt-oss: the experts' projections have biases
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (experts.clamped_swiglu)
+    swiglu_alpha: float = 1.0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE, GLM-4.5: a dense FFN beside the experts
+    shared_expert_gate: bool = False  # Qwen2-MoE: ... scaled by sigmoid(shared_expert_gate(x))
+    # dense layers mixed in: layer i has experts unless i in mlp_only_layers,
+    # (i + 1) % decoder_sparse_step != 0 or i < first_k_dense_replace
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    first_k_dense_replace: int = 0
     # the three architectures (README "Three architectures"): "decoder" (GPT, Llama),
     # "encoder" (BERT family: bidirectional, mlx_tfm/encoders.py) or "encoder-decoder" (T5)
     kind: str = "decoder"
@@ -122,12 +145,30 @@ class ModelArgs:
         values["rope_layers"] = tuple(bool(r) for r in values.get("rope_layers", ()))
         if values["rope_layers"] and len(values["rope_layers"]) != n_layers:
             raise ValueError(f"rope_layers has {len(values['rope_layers'])} entries for {n_layers} layers")
+        values.update(cls._expert_values(values))
         return cls(**values)
+
+    @classmethod
+    def _expert_values(cls, values: dict) -> dict:
+        n_experts, per_token = values.get("num_experts", 0), values.get("num_experts_per_tok", 0)
+        if n_experts and not 0 < per_token <= n_experts:
+            raise ValueError(f"num_experts_per_tok is {per_token}; it must be between 1 and num_experts ({n_experts})")
+        return {
+            "moe_intermediate_size": values.get("moe_intermediate_size") or values.get("intermediate_size",
+                                                                                       cls.intermediate_size),
+            "mlp_only_layers": tuple(values.get("mlp_only_layers", ())),
+        }
+
+    def has_experts(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s feed-forward is a mixture of experts."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0 and layer_idx >= self.first_k_dense_replace)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["rope_layers"] = list(self.rope_layers)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
         return d
 
 
@@ -197,14 +238,14 @@ def gated_activation(name: str):
 class MLP(nn.Module):
     """The position-wise FFN: gated (SwiGLU, GeGLU) or the classic two-layer form."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
         if args.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unknown hidden_act {args.hidden_act!r} ({', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[args.hidden_act]
         self.gated = args.ffn_gated
         self.gated_act = gated_activation(args.hidden_act)
-        D, F, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        D, F, bias = args.hidden_size, intermediate_size or args.intermediate_size, args.mlp_bias
         if self.gated:
             self.gate_proj = nn.Linear(D, F, bias=bias)
         self.up_proj = nn.Linear(D, F, bias=bias)
@@ -214,6 +255,18 @@ class MLP(nn.Module):
         if self.gated:
             return self.down_proj(self.gated_act(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.up_proj(x)))
+
+
+def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
+    """The layer's FFN: the dense MLP, or a mixture of experts (with its shared expert)."""
+    if not args.has_experts(layer_idx):
+        return MLP(args)
+    shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
+    if args.swiglu_limit is not None:
+        activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
+    else:
+        activation = gated_activation(args.hidden_act)
+    return SparseMoeBlock(args, activation, shared)
 
 
 class Attention(nn.Module):
@@ -229,6 +282,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=args.attention_out_bias)
+        if args.attention_sinks:
+            self.sinks = mx.zeros((self.n_heads,))
+        self.clip_qkv = args.clip_qkv
         # q/k norm over each head (Qwen 3, Gemma 3) or over the whole projection (OLMo 2)
         self.qk_norm_scope = args.qk_norm_scope if args.qk_norm else None
         if self.qk_norm_scope not in (None, "head", "projection"):
@@ -247,6 +303,8 @@ class Attention(nn.Module):
             return self._cross_attention(x, cache)
         B, L, _ = x.shape
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.clip_qkv is not None:
+            queries, keys, values = (mx.clip(t, -self.clip_qkv, self.clip_qkv) for t in (queries, keys, values))
         if self.qk_norm_scope == "projection":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         # (B, L, n_heads * head_dim) -> (B, L, n_heads, head_dim)
@@ -262,7 +320,7 @@ class Attention(nn.Module):
             queries, keys = self.rope(queries, offset), self.rope(keys, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        out = attention(queries, keys, values, self.scale, mask, self.softcap)
+        out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
         # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out)
@@ -306,7 +364,7 @@ class TransformerBlock(nn.Module):
         if not self.residual and self.placement not in ("pre", "post"):
             raise ValueError("residual=False is only defined for the pre and post placements")
         self.self_attn = Attention(args, layer_idx)
-        self.mlp = MLP(args)
+        self.mlp = feed_forward(args, layer_idx)
         for name in BLOCK_NORMS[self.placement]:
             setattr(self, name, make_norm(args))
         if layer_idx == 0 and not args.first_layer_norm:

@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Type of the non-quantized weights (default: config.json's torch_dtype, else the source's).",
     )
+    parser.add_argument(
+        "--quant-predicate",
+        choices=("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"),
+        default=None,
+        help="With -q: mlx_lm.convert's mixed-bit recipe (e.g. mixed_3_6: 6 bits for the LM head and for v_proj and "
+        "down_proj in a third of the layers, 3 for the rest). Routers of mixture-of-experts models stay at 8 bits.",
+    )
     parser.add_argument("-d", "--dequantize", action="store_true", help="Dequantize a quantized source.")
     parser.add_argument("--overwrite", action="store_true", help="Replace --mlx-path if it exists.")
     parser.add_argument(
@@ -44,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
         dequantize=args.dequantize,
         overwrite=args.overwrite,
         max_shard_size=args.max_shard_size,
+        quant_predicate=args.quant_predicate,
     )
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..atomic import remove_stale_temporaries
 from ..errors import UserError
-from ..families import MLX_LM_CONFIG_ALIASES, mlx_lm_config_keys, on_disk_layout
+from ..families import MLX_LM_CONFIG_ALIASES, architecture_for, mlx_lm_config_keys, on_disk_layout
 from ..hub import resolve_model_path
 from ..model import ModelArgs
 from ..weights import (
@@ -22,6 +22,8 @@ from ..weights import (
     cast_weights,
     dequantize_weights,
     dtype_name,
+    QUANT_RECIPES,
+    quantization_plan,
     quantize_weights,
     save_model_folder,
 )
@@ -51,16 +53,18 @@ def output_dtype(requested: str | None, config: dict) -> str | None:
     return source if source in DTYPES else None
 
 
-def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, quantize, q_bits, q_group_size, dequantize):
-    """-> (weights, quantization of the result or None)."""
+def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, quantize, q_bits, q_group_size, dequantize,
+                    plan=None):
+    """-> (weights, quantization of the result or None). ``plan``: module path -> its
+    quantization settings (``mlx_tfm.weights.quantization_plan``)."""
     quantization = source_quantization
     if quantization and (dequantize or quantize):
         weights, quantization = dequantize_weights(weights, quantization, DTYPES.get(dtype)), None
     if dtype is not None:
         weights = cast_weights(weights, DTYPES[dtype])
     if quantize:
-        weights = quantize_weights(weights, q_group_size, q_bits)
-        quantization = {"group_size": q_group_size, "bits": q_bits}
+        weights, per_layer = quantize_weights(weights, q_group_size, q_bits, plan)
+        quantization = {"group_size": q_group_size, "bits": q_bits, "mode": "affine", **per_layer}
     return weights, quantization
 
 
@@ -90,7 +94,7 @@ def output_config(config: dict, quantization: dict | None, dtype: str) -> dict:
     if "dtype" in config:  # transformers 5 spells it so
         config["dtype"] = dtype
     if quantization:
-        settings = {**quantization, "mode": "affine"}
+        settings = {"mode": "affine", **quantization}
         config["quantization"] = settings
         config["quantization_config"] = settings  # mlx-lm writes both
     return config
@@ -117,12 +121,16 @@ def convert(
     dequantize: bool = False,
     overwrite: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+    quant_predicate: str | None = None,
     log=print,
 ) -> Path:
     """Convert ``hf_path`` (a folder, a llama2.c or GGUF file, or a hub repo id) into an
-    MLX folder at ``mlx_path``. Returns the folder."""
+    MLX folder at ``mlx_path``. ``quant_predicate``: one of mlx_lm.convert's mixed-bit
+    recipes (``QUANT_RECIPES``). Returns the folder."""
     if quantize and dequantize:
         raise UserError("choose either --quantize or --dequantize, not both")
+    if quant_predicate is not None and (not quantize or quant_predicate not in QUANT_RECIPES):
+        raise UserError(f"--quant-predicate takes -q and one of {', '.join(QUANT_RECIPES)}")
     if q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES:
         raise UserError(f"--q-bits must be one of {Q_BITS} and --q-group-size one of {Q_GROUP_SIZES}")
     if dtype is not None and dtype not in DTYPES:
@@ -144,6 +152,8 @@ def convert(
         q_bits=q_bits,
         q_group_size=q_group_size,
         dequantize=dequantize,
+        plan=quantization_plan(weights, q_group_size, q_bits, quant_predicate, args.num_hidden_layers,
+                               architecture_for(source.config).routers, architecture_for(source.config).router_bits),
     )
     config = output_config(source.config, quantization, dtype_name(weights))
     for stale in remove_stale_temporaries(target.parent, target.name):
@@ -154,12 +164,15 @@ def convert(
 
 
 def describe(weights: dict, quantization: dict | None, dtype: str) -> str:
-    """'float16' or '4-bit, group 64, 210 matrices quantized, 1 kept in float16'."""
+    """'float16' or '4-bit, group 64, 210 matrices quantized, 1 kept in float16' (bits as
+    '3/6-bit' when layers have their own)."""
     if not quantization:
         return dtype
     n_quantized = sum(name.endswith(".scales") for name in weights)
-    n_float = sum(name.endswith(".weight") and weights[name].ndim == 2 for name in weights) - n_quantized
-    text = f"{quantization['bits']}-bit, group {quantization['group_size']}, {n_quantized} matrices quantized"
+    n_float = sum(name.endswith(".weight") and weights[name].ndim in (2, 3) for name in weights) - n_quantized
+    own = [s["bits"] for s in quantization.values() if isinstance(s, dict)]  # layers with their own settings
+    bits = sorted(set(own) | ({quantization["bits"]} if n_quantized > len(own) else set()))
+    text = f"{'/'.join(map(str, bits))}-bit, group {quantization['group_size']}, {n_quantized} matrices quantized"
     return text + (f", {n_float} kept in {dtype}" if n_float else "")
 
 

@@ -12,7 +12,8 @@ from .kernels import kernels
 QUERY_BLOCK = 32
 
 
-def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: int = QUERY_BLOCK) -> mx.array:
+def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: int = QUERY_BLOCK,
+                              sinks: mx.array | None = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` over ``block`` queries at a time.
 
     The same numbers, less memory where the fused op materialises the scores (MLX's CPU
@@ -28,11 +29,12 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
         q = queries[:, :, start:stop]  # (B, n_heads, rows, head_dim)
         if isinstance(mask, str):
             seen = S - L + stop
-            out = mx.fast.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], scale=scale, mask=mask)
+            out = mx.fast.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], scale=scale, mask=mask,
+                                                     sinks=sinks)
         else:
             # a mask broadcast over the queries (an encoder's padding, (B, 1, 1, S)) serves every block
             rows = mask if mask is None or mask.shape[-2] == 1 else mask[..., start:stop, :]
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=rows)
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=rows, sinks=sinks)
         outputs.append(out)
     return mx.concatenate(outputs, axis=2)
 

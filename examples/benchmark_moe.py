@@ -1,0 +1,157 @@
+"""Mixture-of-experts decoding: mlx_tfm and mlx-lm side by side, same folders, prompt and machine.
+
+    pip install -e '.[benchmark]'     # mlx-lm
+    python examples/benchmark_moe.py  # several minutes on a 2-core CPU
+
+The model: a Mixtral-style MoE of SmolLM2-135M's shape (hidden 576, 16 layers, 9 heads, 3 KV
+heads, vocab 49152, tied embeddings) whose feed-forward is 8 experts of d_ff 1536, 2 active
+per token; random weights (std 0.02). Written once in mlx-lm's layout, in float32 and in
+4-bit (group 64, converted by ``mlx-tfm convert -q``: routers at 8 bits), and loaded by both
+libraries from the same folder.
+
+Timing as examples/benchmark_generate.py: the same token ids, EOS off, runs of the two
+libraries alternating (who goes first too), best of ``--repeats``; generation tok/s = (new
+tokens - 1) / time from the first to the last; peak memory = MLX's peak from just after
+loading (weights included).
+
+Weights read per token: the bytes a decoding step reads (every non-expert weight: attention,
+norms, routers, the embedding row, the LM head; and, per layer, the experts the router chose
+for that token), from the routing of a decoding run, against the active-expert minimum
+(exactly ``num_experts_per_tok`` experts per layer) and against reading every expert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from benchmark_generate import RUNNERS, SHARED, benchmark, prompt_ids, write_tokenizer  # examples/ is on sys.path
+from llama135m import LLAMA_135M
+
+MOE_CONFIG = {
+    **LLAMA_135M,
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "num_hidden_layers": 16,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 1536,
+}
+BUILD_VERSION = ".built-moe-v1"
+
+
+def random_moe_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
+    """std 0.02 weights in mlx-lm's Mixtral layout (``block_sparse_moe.switch_mlp.*`` stacked)."""
+    from mlx_tfm.families import model_args_from_config
+    from mlx_tfm.model import Model
+
+    mx.random.seed(seed)
+    model = Model(model_args_from_config(config))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        on_disk = name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.switch_mlp.", ".block_sparse_moe.switch_mlp.")
+        weights[on_disk] = value if name.endswith("norm.weight") else 0.02 * mx.random.normal(value.shape)
+        mx.eval(weights[on_disk])
+    return weights
+
+
+def build_models(root: Path) -> dict[str, Path]:
+    from mlx_tfm.convert.converter import convert
+
+    folders = {"moe-float32": root / "moe-float32", "moe-4bit": root / "moe-4bit"}
+    if all((f / "model.safetensors").is_file() for f in folders.values()) and (root / BUILD_VERSION).is_file():
+        return folders
+    print(f"writing the benchmark models to {root} (once)...", flush=True)
+    tokenizer_dir = root / "tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(tokenizer_dir, (SHARED / "tinyshakespeare" / "input.txt").read_text())
+    folder = folders["moe-float32"]
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), random_moe_weights(MOE_CONFIG), metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps({**MOE_CONFIG, "torch_dtype": "float32"}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    convert(folder, folders["moe-4bit"], quantize=True, q_group_size=64, q_bits=4, overwrite=True, log=lambda *_: None)
+    (root / BUILD_VERSION).write_text("")
+    return folders
+
+
+# -- bytes read per token --------------------------------------------------------------------
+
+
+def module_bytes(module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def weights_read_per_token(folder: Path, prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
+    """(read, minimum, every expert) in MB per decoded token. ``read`` follows the routing of
+    a greedy decoding run: per layer, the distinct experts chosen for the token."""
+    import mlx_tfm.experts as experts
+    from mlx_tfm.loading import load_model
+
+    model, _ = load_model(folder)
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, experts.SparseMoeBlock)]
+    E, k = model.args.num_experts, model.args.num_experts_per_tok
+    per_expert = module_bytes(blocks[0].switch_mlp) / E
+    experts_total = sum(module_bytes(b.switch_mlp) for b in blocks)
+    row = module_bytes(model.model.embed_tokens) / model.args.vocab_size  # the lookup; the tied head reads all rows
+    always = module_bytes(model) - experts_total + row
+    chosen = []  # distinct experts per layer, per decoded token
+    route = experts.route
+
+    def counting_route(logits, args, score_bias=None):
+        indices, weights = route(logits, args, score_bias)
+        if logits.size == logits.shape[-1]:  # one position: a decoding step
+            chosen.append(len(set(indices.reshape(-1).tolist())))
+        return indices, weights
+
+    experts.route = counting_route
+    try:
+        cache = model.make_cache()
+        logits = model(mx.array([prompt]), cache=cache)
+        for _ in range(max_tokens):
+            logits = model(mx.argmax(logits[0, -1]).reshape(1, 1), cache=cache)
+    finally:
+        experts.route = route
+    read = always + per_expert * sum(chosen) / max_tokens
+    minimum = always + per_expert * k * len(blocks)
+    return read / 1e6, minimum / 1e6, (always + experts_total) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="moe-float32,moe-4bit")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark_moe"))
+    args = parser.parse_args()
+
+    from mlx_tfm.blas import blas_description
+
+    folders = build_models(args.folder)
+    print(f"BLAS: {blas_description()}; prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
+          f"best of {args.repeats}; 8 experts, 2 active, hidden 576, 16 layers")
+    header = f"{'model':<12} {'library':<8} {'prompt tok/s':>12} {'gen tok/s':>10} {'peak GB':>8}"
+    print(header)
+    print("-" * len(header))
+    for name in args.models.split(","):
+        prompt = prompt_ids(folders[name], args.prompt_tokens)
+        results = benchmark(folders[name], prompt, args.max_tokens, args.repeats, RUNNERS)
+        for library, m in results.items():
+            print(f"{name:<12} {library:<8} {m.prompt_tps:>12.1f} {m.generation_tps:>10.1f} {m.peak_gb:>8.3f}")
+        ours, theirs = results["mlx_tfm"], results["mlx-lm"]
+        print(f"{'':<12} {'ratio':<8} {ours.prompt_tps / theirs.prompt_tps:>11.2f}x "
+              f"{ours.generation_tps / theirs.generation_tps:>9.2f}x {ours.peak_gb / theirs.peak_gb:>7.2f}x", flush=True)
+        read, minimum, every = weights_read_per_token(folders[name], prompt[:16], 16)
+        print(f"{'':<12} weights read per token: {read:.1f} MB (active-expert minimum {minimum:.1f} MB, "
+              f"every expert {every:.1f} MB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
