@@ -1,8 +1,8 @@
 """Stacked experts (``mlx_tfm.experts.SwitchGLU``) on MLX's CPU backend.
 
-MLX's CPU ``gather_qmm`` runs on one core and is slow (a decoding step's two experts of
-576 -> 1536 -> 576 in 4-bit: ~7 ms, against ~1.2 ms below), and for a prompt its products
-are far from what float32 BLAS does. So on the CPU:
+MLX's CPU ``gather_qmm`` runs on one core and is slow, its ``gather_mm`` takes float32
+only, and for a prompt both are far from what float32 BLAS does (measurements: README,
+"Mixture of experts"). So on the CPU:
 
 - a few positions (decoding), every projection affine-quantized in a layout mlx_tfm's
   kernels take, or in float16 / bfloat16 (MLX's CPU ``gather_mm`` is float32 only): each
