@@ -701,3 +701,12 @@ def test_a_position_reads_only_its_chosen_experts(quantized, positions):
             got = np.array(block(x, indices))
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_recipe_on_a_model_without_down_proj_is_one_line(tmp_path, capsys):
+    """mlx-lm's recipes key on down_proj (as its own check does): gpt2 has none."""
+    make_hf_model("gpt2", tmp_path / "hf")
+    capsys.readouterr()
+    err = cli_error(capsys, "convert", "--hf-path", tmp_path / "hf", "--mlx-path", tmp_path / "out", "-q",
+                    "--quant-predicate", "mixed_4_6")
+    assert "the mixed_4_6 recipe needs down_proj layers" in err
