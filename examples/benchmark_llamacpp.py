@@ -307,7 +307,8 @@ def child(args) -> None:
 
 
 def run_child(engine: str, fmt: str, args, prompt: list[int]) -> dict:
-    env = {**os.environ, "MLX_TFM_KERNELS": "0" if engine == "mlx_tfm pure" else os.environ.get("MLX_TFM_KERNELS", "1")}
+    env = {**os.environ, "MLX_TFM_KERNELS": "0" if engine == "mlx_tfm pure" else os.environ.get("MLX_TFM_KERNELS", "1"),
+           "MLX_TFM_KERNELS_THREADS": str(args.threads)}
     command = [sys.executable, __file__, "--child", engine, "--format", fmt, "--folder", str(args.folder),
                "--prompt", json.dumps(prompt), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -328,7 +329,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=181)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=cores(), help="llama.cpp's threads (mlx_tfm's kernels use every core)")
+    parser.add_argument("--threads", type=int, default=cores(), help="threads of llama.cpp and of mlx_tfm's kernels")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--format", help=argparse.SUPPRESS)
     parser.add_argument("--prompt", help=argparse.SUPPRESS)
