@@ -120,14 +120,16 @@ class Result:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def report(rows: list[tuple[str, str, int, Result]]) -> None:
+def print_header() -> None:
     header = f"{'model':<18} {'server':<14} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'peak GB':>8}"
     print(header)
-    print("-" * len(header))
-    for model, library, clients, r in rows:
-        failed = f"  ({r.failed} failed)" if r.failed else ""
-        print(f"{model:<18} {library:<14} {clients:>7} {r.tok_s:>8.1f} {r.ttft(0.5) * 1e3:>7.0f}ms "
-              f"{r.ttft(0.95) * 1e3:>7.0f}ms {r.peak_gb:>8.3f}{failed}", flush=True)
+    print("-" * len(header), flush=True)
+
+
+def print_row(model: str, library: str, clients: int, r: Result) -> None:
+    failed = f"  ({r.failed} failed)" if r.failed else ""
+    print(f"{model:<18} {library:<14} {clients:>7} {r.tok_s:>8.1f} {r.ttft(0.5) * 1e3:>7.0f}ms "
+          f"{r.ttft(0.95) * 1e3:>7.0f}ms {r.peak_gb:>8.3f}{failed}", flush=True)
 
 
 def ratios(rows: list[tuple[str, str, int, Result]], ours: str, theirs: str) -> None:
@@ -210,14 +212,15 @@ def release_memory() -> None:
 
 def engine_part(folders: dict[str, Path], models: list[str], clients: list[int], args) -> None:
     print(f"\nengines in this process: {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, greedy")
+    print_header()
     rows = []
     for name in models:
         prompts = distinct_prompts(folders[name], max(clients), args.prompt_tokens)
         for n in clients:
             for library, run in (("mlx_tfm", engine_ours), ("mlx-lm", engine_mlx_lm)):
                 rows.append((name, library, n, run(folders[name], prompts[:n], args.max_tokens)))
+                print_row(*rows[-1])
                 release_memory()
-    report(rows)
     ratios(rows, "mlx_tfm", "mlx-lm")
 
 
@@ -329,6 +332,7 @@ def prompt_texts(folder: Path, n: int, length: int) -> list[str]:
 
 def http_part(folders: dict[str, Path], models: list[str], clients: list[int], args) -> None:
     print(f"\nservers over HTTP: {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, streaming, greedy")
+    print_header()
     rows = []
     for name in models:
         prompts = prompt_texts(folders[name], max(clients) + 1, args.prompt_tokens)
@@ -343,10 +347,10 @@ def http_part(folders: dict[str, Path], models: list[str], clients: list[int], a
                     result = asyncio.run(http_clients(url, prompts[:n], args.max_tokens))
                     result.peak_gb = peak_rss_gb(server.pid)
                     rows.append((name, library, n, result))
+                    print_row(*rows[-1])
             finally:
                 server.terminate()
                 server.wait(timeout=60)
-    report(rows)
     ratios(rows, "mlx-tfm", "mlx_lm.server")
 
 

@@ -12,11 +12,12 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_map
 
 import mlx_tfm
 from mlx_tfm import generate, load, stream_generate
 from mlx_tfm.batch_cache import BatchKVCache, layer_windows
-from mlx_tfm.batch_sampling import BatchSettings, RowSettings, sample_rows, top_logprobs
+from mlx_tfm.batch_sampling import BatchSettings, RowSettings, sample_rows
 from mlx_tfm.batching import Engine, Request, SamplingParams, batch_generate
 from mlx_tfm.errors import UserError
 from mlx_tfm.model import Model, ModelArgs
@@ -43,17 +44,9 @@ def tiny_model(seed: int = 0, **overrides) -> Model:
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))
     # larger weights than at initialisation, so the logits have clear margins
-    model.update(scaled_matrices(model.parameters(), 3.0))
+    model.update(tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
-
-
-def scaled_matrices(tree, factor):
-    if isinstance(tree, dict):
-        return {k: scaled_matrices(v, factor) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [scaled_matrices(v, factor) for v in tree]
-    return tree * factor if tree.ndim == 2 else tree
 
 
 class Collector:
