@@ -325,6 +325,19 @@ def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
         kernels_package._load.cache_clear()
 
 
+def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
+    real_find_spec = kernels_package.importlib.util.find_spec
+    monkeypatch.setattr(kernels_package.importlib.util, "find_spec",
+                        lambda name, *args: None if name.endswith("._kernels") else real_find_spec(name, *args))
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert kernels_package.status().startswith("not built: pure MLX routes; `pip install -e .`")
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
 def test_info_names_the_kernels_in_use():
     done = subprocess.run([sys.executable, "-m", "mlx_tfm", "info"], capture_output=True, text=True, check=True,
                           env={**os.environ, "MLX_TFM_KERNELS": "1"})

@@ -19,6 +19,7 @@ Whoever calls them falls back to the pure MLX routes then, and on Metal or CUDA 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from types import ModuleType
 
@@ -32,11 +33,13 @@ def _load() -> tuple[ModuleType | None, str]:
     """The extension and a one-line account of it."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None, f"off ({ENV_VAR}=0): pure MLX routes"
+    if importlib.util.find_spec(f"{__name__}._kernels") is None:
+        return None, "not built: pure MLX routes; `pip install -e .` with a C++ compiler and CMake builds them"
     try:
         from . import _kernels
-    except ImportError as error:  # not built, or libmlx changed under it
+    except ImportError as error:  # e.g. libmlx changed under it
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return None, f"not in use ({first_line}): pure MLX routes; `pip install -e .` with a C++ compiler and CMake builds them"
+        return None, f"not in use ({first_line}): pure MLX routes; `pip install -e .` rebuilds them"
     if _kernels.built_with_mlx != mx.__version__:
         return None, (f"not in use: built against mlx {_kernels.built_with_mlx}, mlx {mx.__version__} is installed: "
                       "pure MLX routes; `pip install -e .` rebuilds them")
