@@ -315,6 +315,7 @@ def test_the_switch_turns_the_kernels_off():
 
 
 def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")  # CI also runs these tests with the kernels off
     monkeypatch.setattr(mx, "__version__", "0.0.1")
     kernels_package._load.cache_clear()
     try:
@@ -326,6 +327,7 @@ def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
 
 
 def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")
     real_find_spec = kernels_package.importlib.util.find_spec
     monkeypatch.setattr(kernels_package.importlib.util, "find_spec",
                         lambda name, *args: None if name.endswith("._kernels") else real_find_spec(name, *args))
