@@ -190,10 +190,10 @@ def settle(model, cache: list, base: int, tokens: list[int], keep_last: bool) ->
 # -- acceptance ----------------------------------------------------------------------------
 
 
-def accept_by_matching(guesses: list[int], logprobs: mx.array, sampler: Sampler) -> list[int]:
-    """Keep guesses while they equal the sampler's pick from the model's logprobs (k + 1, V);
-    then that pick. Returns the accepted guesses and the model's token after them."""
-    picks = sampler(logprobs).tolist()
+def accept_by_matching(guesses: list[int], picks: list[int]) -> list[int]:
+    """Keep guesses while they equal the model's own picks (k + 1: its sampler on its
+    logprobs at each position); then its pick. Returns the accepted guesses and the model's
+    token after them."""
     n = 0
     while n < len(guesses) and guesses[n] == picks[n]:
         n += 1
@@ -319,12 +319,16 @@ def speculative_generate_step(
             k = min(num_draft_tokens, max_tokens - yielded - 1)
             guesses, draft_distributions = drafter.propose(tokens, k, sampler, processors)
             logprobs = verify(model, cache, tokens, guesses, processors)
-            check_finite(mx.logsumexp(logprobs))  # NaN anywhere makes it NaN
+            log_norm = mx.logsumexp(logprobs)  # NaN anywhere makes it NaN
+            by_rejection = isinstance(sampler, TemperatureSampler) and len(guesses) > 0
+            picks = None if by_rejection else sampler(logprobs)
+            mx.eval(log_norm, picks, guesses)  # one wait for the whole round
+            check_finite(log_norm)
             guesses = guesses if isinstance(guesses, list) else guesses.tolist()
-            if isinstance(sampler, TemperatureSampler) and guesses:
+            if by_rejection:
                 accepted = accept_by_rejection(guesses, logprobs, sampler, draft_distributions)
             else:
-                accepted = accept_by_matching(guesses, logprobs, sampler)
+                accepted = accept_by_matching(guesses, picks.tolist())
             stats.drafted += len(guesses)
             stats.accepted += len(accepted) - 1
             tokens += accepted
