@@ -67,6 +67,16 @@ def test_matvec_equals_mlx_matmul(w_dtype, x_dtype, m, n, k):
     assert_close(result, x32 @ w32.T, mx.abs(x32) @ mx.abs(w32).T, k)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_half_precision_value_converts_exactly(dtype):
+    """All 65536 bit patterns (subnormals, infinities, NaN) as weights of a one-column
+    product with x = 1: the kernel's conversion against MLX's."""
+    bits = mx.arange(1 << 16, dtype=mx.uint32).astype(mx.uint16)
+    weights = mx.view(bits, FLOATS[dtype]).reshape(-1, 1)
+    result = np.array(K.matvec(mx.ones((1, 1)), weights))[0]
+    np.testing.assert_array_equal(result, np.array(weights.astype(mx.float32))[:, 0])
+
+
 def test_matvec_keeps_leading_axes():
     x, w = random((2, 3, 70)), random((45, 70))
     assert_close(K.matvec(x, w), x @ w.T, mx.abs(x) @ mx.abs(w).T, 70)

@@ -1,9 +1,11 @@
 // The kernels, written once over simd.h's vector type. Included by kernels_<isa>.cpp inside
-// namespace mlx_tfm_kernels::<isa>, compiled with that set's flags.
+// namespace mlx_tfm_kernels::<isa>, compiled with that set's flags. No std:: algorithms or
+// other shared inline code here: the linker keeps one copy of such code for all files, and
+// it could be the AVX-512 file's.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
+#include <math.h>
+
 #include <type_traits>
 
 #include "kernels.h"
@@ -142,7 +144,7 @@ constexpr int MAX_M = 8;
 template <template <int> class Kernel, class... Args>
 void by_position_chunks(int64_t m_total, Args&&... args) {
   for (int64_t m0 = 0; m0 < m_total; m0 += MAX_M) {
-    switch (std::min<int64_t>(MAX_M, m_total - m0)) {
+    switch (m_total - m0 < MAX_M ? m_total - m0 : MAX_M) {
       case 1: Kernel<1>::run(m0, args...); break;
       case 2: Kernel<2>::run(m0, args...); break;
       case 3: Kernel<3>::run(m0, args...); break;
@@ -247,12 +249,12 @@ void attention_heads_of(const AttentionProblem& p, int64_t i0, int64_t i1, float
     float top = -INFINITY;
     for (int64_t s = 0; s < p.positions; ++s) {
       scores[s] = p.scale * dot_row<R>(q, keys + item * s * p.key_strides[2], d);
-      top = std::max(top, scores[s]);
+      top = scores[s] > top ? scores[s] : top;
     }
     float total = 0.0f;
-    for (int64_t s = 0; s < p.positions; ++s) total += (scores[s] = std::exp(scores[s] - top));
+    for (int64_t s = 0; s < p.positions; ++s) total += (scores[s] = ::expf(scores[s] - top));
     float* out = p.out + i * d;
-    std::fill(out, out + d, 0.0f);
+    for (int64_t j = 0; j < d; ++j) out[j] = 0.0f;
     for (int64_t s = 0; s < p.positions; ++s) add_scaled_row<R>(out, scores[s], values + item * s * p.value_strides[2], d);
     const float inverse = 1.0f / total;
     for (int64_t j = 0; j < d; ++j) out[j] *= inverse;
