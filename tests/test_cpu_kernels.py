@@ -411,3 +411,9 @@ def test_a_model_decodes_the_same_with_and_without_kernels():
     with generic_routes():
         plain = logits_by_step()
     assert np.allclose(np.array(fast), np.array(plain), atol=1e-4, rtol=1e-4)
+
+
+def test_info_says_the_kernels_are_not_used_on_a_gpu():
+    from mlx_tfm.cli.info import kernels_description
+
+    assert kernels_description(mx.Device(mx.gpu)).startswith("not used on Device(gpu, 0) (CPU only)")
