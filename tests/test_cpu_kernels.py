@@ -259,6 +259,24 @@ def test_quantized_matvec_gradient_wrt_x_is_mlx_s():
     assert np.allclose(np.array(grad), np.array(ref), atol=1e-4)
 
 
+def test_a_product_behind_dequantize_stays_differentiable():
+    """A prompt's quantized product in training: the weight is dequantized after the
+    previous block (mx.depends), so the gradient reaches the kernel; the packed weight
+    gets none, the input gets MLX's own."""
+    weight, scales, biases = quantized(40, 64, 32, 4)
+    x = random((3, 64))
+
+    def through_kernel(a):
+        dense = K.dequantize(mx.depends(weight, a), scales, biases, group_size=32, bits=4)
+        return (a @ dense.T).sum()
+
+    def through_mlx(a):
+        dense = mx.dequantize(weight, scales, biases, group_size=32, bits=4)
+        return (a @ dense.T).sum()
+
+    assert np.allclose(np.array(mx.grad(through_kernel)(x)), np.array(mx.grad(through_mlx)(x)), atol=1e-4)
+
+
 # -- bad arguments -------------------------------------------------------------------------
 
 

@@ -433,6 +433,23 @@ std::vector<mx::array> QuantizedMatVec::vjp(const std::vector<mx::array>& primal
   return grads;
 }
 
+std::vector<mx::array> no_gradient(const std::vector<mx::array>& primals, const std::vector<int>& argnums,
+                                   mx::Stream stream) {
+  std::vector<mx::array> grads;
+  for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream));
+  return grads;
+}
+
+std::vector<mx::array> Dequantize::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                                       const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  return no_gradient(primals, argnums, stream());
+}
+
+std::vector<mx::array> QuantizedRows::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                                          const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  return no_gradient(primals, argnums, stream());
+}
+
 bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatVec&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_;

@@ -38,6 +38,10 @@ class Dequantize : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  // The quantized inputs (packed integers, indices) carry no gradient: zeros, so a product
+  // that reaches them behind mx.depends (a prompt's blocks in training) stays differentiable.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxTfmDequantize"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
@@ -89,6 +93,10 @@ class QuantizedRows : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  // The quantized inputs (packed integers, indices) carry no gradient: zeros, so a product
+  // that reaches them behind mx.depends (a prompt's blocks in training) stays differentiable.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxTfmQuantizedRows"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
