@@ -66,16 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    code, failure = run_command(args)
+    if "mlx_tfm.distributed.world" in sys.modules:  # the command joined other ranks: tell them how it ended
+        from ..distributed.world import command_ended
+
+        command_ended(code, failure)
+    return code
+
+
+def run_command(args) -> tuple[int, str | None]:
+    """The command's exit status, and what went wrong when it failed."""
     try:
-        return int(args._run(args) or 0)
+        return int(args._run(args) or 0), None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1, str(e)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return 130
+        return 130, "interrupted"
     except BrokenPipeError:
-        return 0
+        return 0, None
 
 
 if __name__ == "__main__":

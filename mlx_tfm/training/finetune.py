@@ -14,6 +14,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from ..atomic import remove_stale_temporaries
+from ..distributed.world import World, join
 from ..errors import UserError
 from .data import LengthGroupedBatches, load_split
 from .lora import (
@@ -173,8 +174,12 @@ def saved_adapter_config(options: FinetuneOptions) -> dict:
 
 
 def finetune(options: FinetuneOptions) -> int:
+    """Under mlx.launch, data parallel: every rank trains on its share of each batch, the
+    gradients are averaged inside the step, rank 0 reports and writes the adapters."""
     from ..loading import load
 
+    world = join()
+    world.check_divides(options.batch_size)
     if not Path(options.data).is_dir():
         raise UserError(f"--data {options.data} is not a folder with train/valid/test .jsonl files")
     mx.random.seed(options.seed)
@@ -189,7 +194,7 @@ def finetune(options: FinetuneOptions) -> int:
         test_set = load_examples(options, "test", tokenizer) if options.test else None
         if model.args.kind == "encoder-decoder":
             check_prompts(train_set + valid_set, options.data)
-        run_training(model, options, train_set, valid_set, adapter_path, loss)
+        run_training(model, options, train_set, valid_set, adapter_path, loss, world)
     else:
         test_set = load_examples(options, "test", tokenizer)
         if (adapter_path / ADAPTER_CONFIG).is_file():
@@ -197,7 +202,7 @@ def finetune(options: FinetuneOptions) -> int:
     if test_set is not None:
         model.eval()
         batches = LengthGroupedBatches(test_set, options.batch_size, options.seed).evaluation(options.test_batches)
-        test_loss = evaluate(model, batches, loss)
+        test_loss = evaluate(model, world.rows_of(batches), loss, world.group)
         print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(min(test_loss, 700)):.3f}.")
     return 0
 
@@ -217,7 +222,8 @@ def training_args(options: FinetuneOptions) -> TrainingArgs:
     )
 
 
-def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path, loss=loss_fn) -> None:
+def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path, loss=loss_fn,
+                 world: World = World()) -> None:
     params = options.lora_parameters
     apply_lora(
         model,
@@ -228,11 +234,13 @@ def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_
         dropout=params["dropout"],
         keys=params.get("keys"),
     )
-    if options.resume_adapter_file:
+    if options.resume_adapter_file and world.leader:
         load_adapter_weights(model, Path(options.resume_adapter_file))
-    print(describe_trainable(model), file=sys.stderr)
-    for stale in remove_stale_temporaries(adapter_path):
-        print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
+    world.start_alike(model)  # every rank starts from rank 0's trainable weights
+    if world.leader:  # rank 0 alone reports and writes
+        print(describe_trainable(model), file=sys.stderr)
+        for stale in remove_stale_temporaries(adapter_path):
+            print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     train_batches = LengthGroupedBatches(train_set, options.batch_size, options.seed)
     valid_batches = LengthGroupedBatches(valid_set, options.batch_size, options.seed)
     saved_config = saved_adapter_config(options)
@@ -241,18 +249,20 @@ def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_
         save_adapters(adapter_path, model, saved_config)
         return adapter_path / ADAPTER_WEIGHTS
 
-    reporter = ProgressReporter(options.iters, save=save)
+    reporter = ProgressReporter(options.iters, save=save if world.leader else None)
     try:
-        train(model, build_optimizer(options), train_batches.batch,
-              lambda: valid_batches.evaluation(options.val_batches), training_args(options), reporter, loss=loss)
+        train(model, build_optimizer(options), lambda i: world.rows(train_batches.batch(i)),
+              lambda: world.rows_of(valid_batches.evaluation(options.val_batches)), training_args(options), reporter,
+              loss=loss, group=world.group)
     except TrainingDiverged as e:
         reporter.close()
         saved = (adapter_path / ADAPTER_WEIGHTS).is_file()
         raise UserError(f"{e}; " + (f"the last good adapters are in {adapter_path}" if saved else "no adapters were saved")) from None
     finally:
         reporter.close()
-    print(f"Saved final weights to {adapter_path / ADAPTER_WEIGHTS}.")
-    write_plots(adapter_path, reporter.history)
+    if world.leader:
+        print(f"Saved final weights to {adapter_path / ADAPTER_WEIGHTS}.")
+        write_plots(adapter_path, reporter.history)
 
 
 def write_plots(folder: Path, history: dict) -> None:

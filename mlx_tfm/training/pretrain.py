@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from ..atomic import atomic_files_into, remove_stale_temporaries
+from ..distributed.world import join
 from ..errors import UserError
 from ..encoders import make_model
 from ..model import count_parameters
@@ -108,8 +109,9 @@ def training_args(options: PretrainOptions) -> TrainingArgs:
     )
 
 
-def pretrain(options: PretrainOptions) -> int:
-    output = Path(options.output).expanduser()
+def resume_point(options: PretrainOptions, output: Path) -> tuple[PretrainOptions, dict | None, Path | None]:
+    """The options to run with, and the checkpoint to continue from with its loop state
+    (None, None for a fresh run); temporaries of an interrupted run are removed first."""
     for stale in remove_stale_temporaries(output) + remove_stale_temporaries(output / CHECKPOINTS):
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
     checkpoints = list_checkpoints(output)
@@ -117,9 +119,19 @@ def pretrain(options: PretrainOptions) -> int:
         raise UserError(f"{output} already has checkpoints; pass --resume to continue, or choose another --output")
     if options.resume and not checkpoints:
         raise UserError(f"--resume: {output} has no checkpoint to continue from")
-    state = None
-    if options.resume:
-        options, state = restore_settings(options, checkpoints[-1])
+    if not options.resume:
+        return options, None, None
+    return (*restore_settings(options, checkpoints[-1]), checkpoints[-1])
+
+
+def pretrain(options: PretrainOptions) -> int:
+    """Under mlx.launch, data parallel (as ``finetune``): rank 0 alone reads and writes the
+    output folder; the other ranks take its settings and, resuming, its weights."""
+    world = join()
+    world.check_divides(options.batch_size)
+    output = Path(options.output).expanduser()
+    options, state, checkpoint = resume_point(options, output) if world.leader else (None, None, None)
+    options, state = world.share((options, state))
 
     tokenizer = load_training_tokenizer(options.tokenizer)
     tokenizer_source = tokenizer if isinstance(tokenizer, ByteTokenizer) else tokenizer_folder(options.tokenizer)
@@ -139,15 +151,20 @@ def pretrain(options: PretrainOptions) -> int:
     optimizer = build_optimizer(options)
     start_step = 0
     if state is not None:
-        load_checkpoint(checkpoints[-1], model, optimizer)
         start_step = state["step"]
-        print(f"Resuming from {checkpoints[-1]} (step {start_step}) with its settings", file=sys.stderr)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, model, optimizer)
+        print(f"Resuming from {checkpoint} (step {start_step}) with its settings", file=sys.stderr)
+    world.start_alike(model, trainable_only=False)
+    if state is not None and world.size > 1:
+        optimizer.state = world.share_arrays(optimizer.state if world.leader else None)
     mx.eval(model.parameters())
-    print(
-        f"Model: {count_parameters(model) / 1e6:.3f}M parameters, {model_args.num_hidden_layers} layers; "
-        f"corpus: {len(train_tokens)} training / {len(valid_tokens)} validation tokens",
-        file=sys.stderr,
-    )
+    if world.leader:
+        print(
+            f"Model: {count_parameters(model) / 1e6:.3f}M parameters, {model_args.num_hidden_layers} layers; "
+            f"corpus: {len(train_tokens)} training / {len(valid_tokens)} validation tokens",
+            file=sys.stderr,
+        )
 
     settings = {name: getattr(options, name) for name in TRAJECTORY}
     reporter = ProgressReporter(options.iters, start_step, state["history"] if state else None)
@@ -157,10 +174,11 @@ def pretrain(options: PretrainOptions) -> int:
         return save_checkpoint(output, step, model, optimizer, config, tokenizer_source, loop_state,
                                options.keep_checkpoints)
 
-    reporter.save = save
-    valid_batches = (lambda: valid.evaluation(options.val_batches)) if valid is not None else None
+    reporter.save = save if world.leader else None
+    valid_batches = (lambda: world.rows_of(valid.evaluation(options.val_batches))) if valid is not None else None
     try:
-        train(model, optimizer, windows.batch, valid_batches, training_args(options), reporter, start_step, loss)
+        train(model, optimizer, lambda i: world.rows(windows.batch(i)), valid_batches, training_args(options), reporter,
+              start_step, loss, group=world.group)
     except KeyboardInterrupt:
         reporter.close()
         print(f"\ninterrupted; {_last_checkpoint_note(output)}", file=sys.stderr)
@@ -170,8 +188,9 @@ def pretrain(options: PretrainOptions) -> int:
         raise UserError(f"{e}; {_last_checkpoint_note(output)}") from None
     finally:
         reporter.close()
-    publish_model(output, model, config, tokenizer_source)
-    finish(output, reporter.history, options)
+    if world.leader:
+        publish_model(output, model, config, tokenizer_source)
+        finish(output, reporter.history, options)
     return 0
 
 

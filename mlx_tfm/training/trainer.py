@@ -96,13 +96,16 @@ def cross_entropy_sum(model: nn.Module, hidden: mx.array, targets: mx.array, mas
     return total
 
 
-def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn) -> float:
-    """Token-weighted mean loss over the batches."""
+def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn, group=None) -> float:
+    """Token-weighted mean loss over the batches; with a data-parallel ``group``
+    (``mx.distributed.Group``), over every rank's batches."""
     total, count = mx.array(0.0), mx.array(0)
     for batch in batches:
         value, ntoks = loss(model, mx.array(batch.tokens), mx.array(batch.lengths))
         total, count = total + value * ntoks, count + ntoks
         mx.eval(total, count)
+    if group is not None:
+        total, count = mx.distributed.all_sum(total, group=group), mx.distributed.all_sum(count, group=group)
     return (total / mx.maximum(count, 1)).item()
 
 
@@ -160,28 +163,45 @@ class Callbacks:
         """Every ``steps_per_save`` steps and at the end: persist what must survive."""
 
 
-def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, loss=loss_fn):
+def across_ranks(value: mx.array, ntoks: mx.array, grads, group) -> tuple:
+    """This rank's mean loss, target count and mean gradient -> the whole batch's, over
+    every rank of a data-parallel ``group`` (None: one process, unchanged). Each rank's
+    share counts by its targets, as micro-batches do, and the gradients are averaged with
+    ``nn.average_gradients`` (a few large all-sums)."""
+    if group is None:
+        return value, ntoks, grads
+    total = mx.distributed.all_sum(ntoks, group=group)
+    share = (ntoks * group.size() / mx.maximum(total, 1)).astype(mx.float32)
+    grads = nn.average_gradients(tree_map(lambda g: g * share.astype(g.dtype), grads), group)
+    return mx.distributed.all_sum(value * ntoks, group=group) / mx.maximum(total, 1), total, grads
+
+
+def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, loss=loss_fn, group=None):
     """``step(micro_batches) -> (loss, ntoks, grad_norm, layer_norms)``: compiled gradient
     computation per micro-batch, combined, clipped and applied in one optimizer update.
 
     Each micro-batch's mean loss and gradient are weighted by its count of target tokens,
     so k micro-batches give the loss and update of one batch of the same examples even
-    when prompt masking or padding makes their counts differ."""
+    when prompt masking or padding makes their counts differ. With a data-parallel
+    ``group`` each rank runs the step on its share of the batch and the shares are
+    combined the same way inside the step (``across_ranks``): every rank applies the
+    update one process would, and the loss and count returned are the whole batch's."""
     state = [model.state, optimizer.state, mx.random.state]
     loss_and_grad = nn.value_and_grad(model, loss)
 
-    def update(grads):
+    def update(value, ntoks, grads):
+        value, ntoks, grads = across_ranks(value, ntoks, grads, group)
         grad_norm = mx.array(0.0)
         if args.grad_clip:
             grads, grad_norm = optim.clip_grad_norm(grads, args.grad_clip)
         layer_norms = layer_grad_norms(grads) if args.log_grad_norms else mx.array(0.0)
         optimizer.update(model, grads)
-        return grad_norm, layer_norms
+        return value, ntoks, grad_norm, layer_norms
 
     @partial(mx.compile, inputs=state, outputs=state)
     def full_step(tokens, lengths):
         (value, ntoks), grads = loss_and_grad(model, tokens, lengths)
-        return (value, ntoks, *update(grads))
+        return update(value, ntoks, grads)
 
     @partial(mx.compile, inputs=state, outputs=state)
     def micro_grads(tokens, lengths):
@@ -203,7 +223,7 @@ def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, 
             mx.eval(grad_sum, loss_sum, ntoks_sum)  # bound memory to one micro-batch's activations
         scale = 1 / mx.maximum(ntoks_sum, 1)
         grads = tree_map(lambda g: g * scale.astype(g.dtype), grad_sum)
-        return (loss_sum * scale, ntoks_sum, *compiled_update(grads))
+        return compiled_update(loss_sum * scale, ntoks_sum, grads)
 
     return step
 
@@ -217,21 +237,25 @@ def train(
     callbacks: Callbacks | None = None,
     start_step: int = 0,
     loss=loss_fn,
+    group=None,
 ) -> list[float]:
     """Run optimizer steps ``start_step + 1 .. args.iters``; return each step's loss.
 
     ``train_batches(i)`` is the i-th micro-batch (a pure function of i, so a resumed run
     continues the same trajectory); the random state for dropout is reseeded per step.
+    With a data-parallel ``group`` (``mx.distributed.Group``) every rank calls ``train``
+    with its share of each batch and of the validation batches: the steps, the losses
+    and the token counts reported are the whole batch's.
     """
     callbacks = callbacks or Callbacks()
     if args.grad_checkpoint:
         enable_grad_checkpoint(model)
     model.train()
-    step_fn = make_step(model, optimizer, args, loss)
+    step_fn = make_step(model, optimizer, args, loss, group)
     accumulation = args.grad_accumulation_steps
     evaluating = valid_batches is not None and args.steps_per_eval > 0
     if evaluating and start_step == 0:
-        _validate(model, valid_batches, loss, callbacks, 0)
+        _validate(model, valid_batches, loss, callbacks, 0, group)
     losses, window = [], _ReportWindow()
     for step in range(start_step + 1, args.iters + 1):
         mx.random.seed(args.seed * 1_000_003 + step)
@@ -251,17 +275,17 @@ def train(
             callbacks.on_report(step, {**info, **window.summary()})
             window = _ReportWindow()
         if evaluating and (step % args.steps_per_eval == 0 or step == args.iters):
-            window.start += _validate(model, valid_batches, loss, callbacks, step)
+            window.start += _validate(model, valid_batches, loss, callbacks, step, group)
         if step % args.steps_per_save == 0 or step == args.iters:
             callbacks.on_save(step)
     return losses
 
 
-def _validate(model, valid_batches, loss, callbacks: Callbacks, step: int) -> float:
+def _validate(model, valid_batches, loss, callbacks: Callbacks, step: int, group=None) -> float:
     """Evaluate and report; return the seconds spent (kept out of the throughput)."""
     start = time.perf_counter()
     model.eval()
-    val_loss = evaluate(model, valid_batches(), loss)
+    val_loss = evaluate(model, valid_batches(), loss, group)
     model.train()
     seconds = time.perf_counter() - start
     callbacks.on_eval(step, val_loss, seconds)
