@@ -127,7 +127,11 @@ def read_dense(folder: Path) -> DenseLayer:
     if not path.is_file():
         raise UserError(f"{folder} has no model.safetensors (convert the folder with mlx-tfm convert first)")
     weights = mx.load(str(path))
-    return DenseLayer(weights["linear.weight"].astype(mx.float32), weights.get("linear.bias"), DENSE_ACTIVATIONS[name])
+    weight, bias = weights["linear.weight"].astype(mx.float32), weights.get("linear.bias")
+    # computed now, on the loading thread: a lazy array may not be evaluated on another thread
+    # (the server loads on one thread and embeds on others)
+    mx.eval(weight, bias)
+    return DenseLayer(weight, bias, DENSE_ACTIVATIONS[name])
 
 
 def max_seq_length_of(folder: Path) -> int | None:
