@@ -5,13 +5,14 @@ Every round of the engine (``Engine.step``):
 
 1. takes in new requests and cancellations (a cancelled row is gone before the next
    forward pass);
-2. admits waiting requests while the batch has room and the prompt tokens left to read
-   fit one prefill step: each reuses the longest prefix the shared prompt cache holds
-   (``PromptCachePool``) and joins the *prefill group*;
+2. admits waiting requests while the batch has room (and, while streams are running,
+   while the prompt tokens left to read fit one prefill step): each reuses the longest
+   prefix the shared prompt cache holds (``PromptCachePool``) and joins the *prefill
+   group*;
 3. runs one chunk of prompt through the prefill group (all its rows together, each
-   feeding the same number of its own tokens, ``prefill_step_size`` tokens in all), so
-   running streams keep flowing while long prompts are read; a row whose prompt is in
-   (all but its last token) moves to the decoding batch;
+   feeding the same number of its own tokens; ``prefill_step_size`` tokens in all while
+   streams are running, so they keep flowing while long prompts are read); a row whose
+   prompt is in (all but its last token) moves to the decoding batch;
 4. runs one decoding step: every row of the batch feeds one token, at its own position,
    through one forward pass (``BatchKVCache``: per-row offsets and masks), and gets its
    next token from its own sampler, processors and random stream (``sample_rows``).
@@ -344,14 +345,16 @@ class Engine:
         row.pieces = TextPieces(self.tokenizer, mx.array(prompt), list(request.stop_strings))
 
     def _admit(self) -> None:
-        """Waiting requests join the prefill group while the batch has room and the group's
-        prompt tokens still to read fit one prefill step (a first row always joins): a few
-        prompts are read whole at once, so their streams start sooner than if every waiting
-        prompt were read a slice at a time."""
+        """Waiting requests join the prefill group while the batch has room. While streams
+        are running, only as long as the group's prompt tokens still to read fit one prefill
+        step (a first row always joins), so that a few prompts are read whole between
+        decoding steps; with no stream to keep flowing, every request that fits the batch
+        joins and their prompts are read together (the last first token comes soonest)."""
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
             row = self._waiting[0]
             pending = row.prompt_length - 1 - self.pool.find(row.tokens, limit=row.prompt_length - 1)[1]
-            if self._prefilling and pending + sum(r.pending for r in self._prefilling) > self.prefill_step_size:
+            budget = sum(r.pending for r in self._prefilling) + pending
+            if self._prefilling and self._running and budget > self.prefill_step_size:
                 return
             self._waiting.popleft()
             entry, cached = self.pool.lookup(row.tokens, limit=row.prompt_length - 1)
@@ -365,13 +368,15 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunk(self) -> None:
-        """Feed every prefilling row the same number of its next prompt tokens (at most
-        ``prefill_step_size`` in all); rows whose prompt is in join the decoding batch."""
+        """Feed every prefilling row the same number of its next prompt tokens: at most
+        ``prefill_step_size`` in all while streams are running, else that many per row;
+        rows whose prompt is in join the decoding batch."""
         self._join_prefilled()
         rows = self._prefilling
         if not rows:
             return
-        length = min(min(r.pending for r in rows), max(1, self.prefill_step_size // len(rows)))
+        per_row = max(1, self.prefill_step_size // len(rows)) if self._running else self.prefill_step_size
+        length = min(min(r.pending for r in rows), per_row)
         chunk = mx.array([r.tokens[r.fed : r.fed + length] for r in rows])  # (G, length)
         try:
             self.model(chunk, cache=self._prefill_cache)

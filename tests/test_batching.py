@@ -205,6 +205,25 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_read(stories, golde
     assert collector.tokens("long") == golden["generated_ids"][150:155]
 
 
+def test_prompts_are_read_together_when_idle_and_within_the_step_while_streams_run(stories, golden):
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    prompts = [[1, *ids[i : i + 10]] for i in range(8)]  # 10 tokens each to prefill (the 11th is decoded)
+    engine = Engine(model, tokenizer, prefill_step_size=20)
+    collector = Collector()
+    for i, p in enumerate(prompts[:4]):
+        engine.submit(Request(p, 30), collector(i))
+    engine.step()  # nothing was running: all four read in one chunk, and decoding starts
+    assert len(engine._running) == 4 and not engine._prefilling
+    for i, p in enumerate(prompts[4:], start=4):
+        engine.submit(Request(p, 30), collector(i))
+    engine.step()  # streams are running: two prompts (20 tokens) per step
+    assert len(engine._running) == 6 and len(engine._waiting) == 2
+    run_until_done(engine)
+    for i, p in enumerate(prompts):
+        assert collector.tokens(i) == reference_tokens(model, tokenizer, p, 30)[0]
+
+
 @pytest.mark.parametrize("variant", [
     {"position_embedding": "learned"}, {"position_embedding": "sinusoidal"},
     {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
