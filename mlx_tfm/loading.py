@@ -27,12 +27,16 @@ def readable_folder(path: Path) -> Path:
     return convert_to_temporary(path)
 
 
-def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, dict]:
+def load_model(folder: str | Path, dtype: mx.Dtype | None = None, shard=None) -> tuple[Model, dict]:
     """Build and fill the model of an MLX or Hugging Face safetensors folder, its layers
-    specialized for the device (``mlx_tfm.cpu.specialize``)."""
+    specialized for the device (``mlx_tfm.cpu.specialize``). ``shard(model)`` (from
+    ``mlx_tfm.distributed.sharding``) cuts the model to this rank's part while its weights
+    are still unread, so only that part is read."""
     folder = readable_folder(Path(folder))
     config = read_config(folder)
     model = build_model(config, read_safetensors(folder), folder / "config.json", dtype)
+    if shard is not None:
+        shard(model)
     specialize(model)
     mx.eval(model.parameters())
     model.eval()
@@ -41,12 +45,14 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model
     return model, config
 
 
-def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype: mx.Dtype | None = None):
-    """Load a model and its tokenizer from a folder or a Hugging Face repo id."""
+def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype: mx.Dtype | None = None,
+         shard=None):
+    """Load a model and its tokenizer from a folder or a Hugging Face repo id (``shard``:
+    as for ``load_model``)."""
     from .tokenizer import load_tokenizer
 
     folder = readable_folder(resolve_model_path(path_or_repo))
-    model, config = load_model(folder, dtype)
+    model, config = load_model(folder, dtype, shard)
     if adapter_path is not None:
         from .training.lora import load_adapters
 

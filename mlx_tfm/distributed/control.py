@@ -84,8 +84,13 @@ def loads(data: bytes):
     return PlainUnpickler(io.BytesIO(data)).load()
 
 
+# Where this rank's error lines go: stderr, or (a follower, whose output is silenced) the
+# stderr it started with, each line marked with its rank (world.quiet_follower sets it).
+errors_to = None
+
+
 def say(line: str) -> None:
-    print(f"error: {line}", file=sys.stderr, flush=True)
+    print(f"error: {line}", file=errors_to or sys.stderr, flush=True)
 
 
 def stop_process(line: str) -> None:

@@ -9,15 +9,16 @@ launcher (or with one host) it returns the one-process world and changes nothing
 2. starts the watch, so a rank that dies from here on ends the others with one line;
 3. enters ``mx.distributed.init`` with a timer: if MLX's ring has not formed within the
    timeout (ports blocked, a wrong address), the rank says so and exits;
-4. quiets the followers: rank 0 prints and writes; the other ranks' stdout goes nowhere
-   and their stderr lines carry ``[rank N]``; they ignore Ctrl-C (rank 0 decides).
+4. quiets the followers: rank 0 prints and writes; the other ranks print nothing but
+   their errors (marked ``[rank N]``), and ignore Ctrl-C (rank 0 decides).
 
-``command_ended(code, failure)`` (called by the CLI once a command returns) tells the
-other ranks whether this one finished or why it failed.
+``command_ended(code, failure)`` (called by the CLI once a command returns; at exit for
+a script) tells the other ranks whether this one finished or why it failed.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
+from . import control
 from .control import ControlLink, stop_process
 from .launch import Launch, launch_from
 
@@ -131,6 +133,7 @@ def join() -> World:
     group = init_guarded(launch)
     _joined = World(launch.rank, launch.size, group, link)
     sys.excepthook = _reporting_excepthook(sys.excepthook)
+    atexit.register(command_ended, 0)  # a script that simply ends has finished (the CLI says so itself)
     if launch.rank > 0:
         quiet_follower(launch.rank)
     return _joined
@@ -162,7 +165,7 @@ def init_guarded(launch: Launch):
 
 
 class RankPrefixed:
-    """A follower's stderr: every line starts with ``[rank N] ``."""
+    """A follower's error lines, on the stderr it started with: each starts ``[rank N] ``."""
 
     def __init__(self, stream, rank: int):
         self.stream, self.prefix, self.at_line_start = stream, f"[rank {rank}] ", True
@@ -176,16 +179,10 @@ class RankPrefixed:
     def flush(self) -> None:
         self.stream.flush()
 
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
 
 def quiet_follower(rank: int) -> None:
-    sys.stdout = open(os.devnull, "w")
-    sys.stderr = RankPrefixed(sys.stderr, rank)
+    control.errors_to = RankPrefixed(sys.stderr, rank)
+    sys.stdout = sys.stderr = open(os.devnull, "w")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -201,12 +198,19 @@ def _reporting_excepthook(previous):
             command_ended(1, f"lost its connection to another rank ({message})")
             stop_process(f"rank {current().rank} lost its connection to another rank ({message})")
         command_ended(1, f"{kind.__name__}: {message}" if message else kind.__name__)
+        if control.errors_to is not None:  # a follower: its stderr is silenced, not its traceback
+            sys.stderr = control.errors_to
         previous(kind, error, traceback)
 
     return hook
 
 
 def command_ended(code: int, failure: str | None = None) -> None:
-    """A command is over on this rank: tell the others it finished (code 0) or why not."""
-    if _joined is not None and _joined.link is not None:
-        _joined.link.end(None if code == 0 else (failure or f"exit status {code}"))
+    """A command is over on this rank: tell the others it finished (code 0) or why not
+    (a follower also prints why, its own output being silenced)."""
+    if _joined is None or _joined.link is None or _joined.link.ended:
+        return
+    reason = None if code == 0 else (failure or f"exit status {code}")
+    if reason is not None and control.errors_to is not None:
+        control.say(reason)
+    _joined.link.end(reason)
