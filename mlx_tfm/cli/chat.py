@@ -22,7 +22,7 @@ import sys
 import termios
 import threading
 
-from . import decoding_flags
+from . import decoding_flags, sharding_flags
 
 HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
 
@@ -45,6 +45,7 @@ def add_arguments(parser) -> None:
         help="bound the KV cache (and so the context) to this many tokens",
     )
     decoding_flags.add_arguments(parser)
+    sharding_flags.add_arguments(parser)
 
 
 # -- reading what the person types -----------------------------------------------------
@@ -258,7 +259,8 @@ def repl(session, reader, screen: Screen) -> int:
 def run(args) -> int:
     import mlx.core as mx
 
-    from ..chat import ChatSession, Settings, check_settings
+    from ..chat import Settings, check_settings
+    from ..distributed.follow import chat_reader, chat_session
     from ..errors import UserError
     from ..loading import load
     from ..text_to_text import check_decoder
@@ -270,18 +272,22 @@ def run(args) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError("--max-kv-size must be at least 2")
     decoding_flags.check(args)
+    world = sharding_flags.join(args, refused={"--draft-model": args.draft_model,
+                                               "--prompt-lookup-num-tokens": args.prompt_lookup_num_tokens})
     model_path = choose_model(args.model)
-    model, tokenizer = load(model_path, adapter_path=args.adapter_path)
+    model, tokenizer = load(model_path, adapter_path=args.adapter_path, shard=sharding_flags.splitter(args, world))
     check_decoder(model, "chat")
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
     mx.random.seed(settings.seed)
     screen = Screen()
-    session = ChatSession(model, tokenizer, settings, system_prompt=args.system_prompt,
-                          max_kv_size=args.max_kv_size, model_name=str(model_path), on_notice=screen.notice,
-                          kv_quantization=decoding_flags.kv_quantization(args), draft_model=draft_model,
-                          num_draft_tokens=args.num_draft_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
-    interactive = sys.stdin.isatty()
+    # With the model split over ranks, every rank runs the conversation; rank 0 reads and shows it.
+    session = chat_session(world, model=model, tokenizer=tokenizer, settings=settings, system_prompt=args.system_prompt,
+                           max_kv_size=args.max_kv_size, model_name=str(model_path), on_notice=screen.notice,
+                           kv_quantization=decoding_flags.kv_quantization(args), draft_model=draft_model,
+                           num_draft_tokens=args.num_draft_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
+    interactive = world.leader and sys.stdin.isatty()
     if interactive:
         screen.write(f"Chatting with {model_path}. Type /help for commands, /bye to leave.\n")
-    return repl(session, TerminalReader() if interactive else PipeReader(), screen)
+    reader = chat_reader(world, lambda: TerminalReader() if interactive else PipeReader())
+    return repl(session, reader, screen)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import decoding_flags
+from . import decoding_flags, sharding_flags
 
 HELP = "Generate text from a prompt with a model folder or Hugging Face repo."
 
@@ -50,11 +50,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
                         help="print the statistics at the end (--verbose false: only the text)")
     decoding_flags.add_arguments(parser)
+    sharding_flags.add_arguments(parser)
 
 
 def run(args) -> int:
-    import mlx.core as mx
-
     from ..errors import UserError
     from ..generate import check_vocabulary, format_stats, stream_generate
     from ..loading import load
@@ -69,16 +68,20 @@ def run(args) -> int:
     decoding_flags.check(args)
     sampler = make_sampler(args.temp, args.top_p, args.top_k, args.min_p)
     processors = make_logits_processors(args.repetition_penalty, args.repetition_context_size)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    world = sharding_flags.join(args, refused={"--prompt-cache-file": args.prompt_cache_file,
+                                               "--draft-model": args.draft_model,
+                                               "--prompt-lookup-num-tokens": args.prompt_lookup_num_tokens})
+    sharding_flags.seed_alike(world, args.seed)
 
-    model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path)
+    model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path,
+                            shard=sharding_flags.splitter(args, world))
     if model.args.kind != "decoder":
         return run_text_to_text(args, model, tokenizer, sampler, processors)
     check_vocabulary(model, tokenizer)
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
-    prompt_tokens = build_prompt(tokenizer, read_prompt(args.prompt), args.system_prompt, args.ignore_chat_template)
+    prompt = world.share(read_prompt(args.prompt) if world.leader else None)  # the same prompt on every rank
+    prompt_tokens = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
 
     kv_quantization = decoding_flags.kv_quantization(args)
     cache_file = Path(args.prompt_cache_file) if args.prompt_cache_file else None

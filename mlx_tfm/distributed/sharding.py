@@ -68,6 +68,9 @@ class PipelineEnd(nn.Module):
         h = self.block(x, mask, cache).astype(x.dtype)
         if self.send_to is not None:
             h = mx.distributed.send(h, self.send_to, group=self.group)
+            # Sent now: a caller that evaluates only the caches (a prompt's prefill) would
+            # otherwise never send, and the next rank would wait for these states forever.
+            mx.eval(h)
         if self.gather:
             h = mx.distributed.all_gather(h, group=self.group)[-x.shape[0] :]  # (size * B, L, D) -> the last rank's
         return h
