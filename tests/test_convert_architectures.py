@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from fixtures.cli_runs import convert_error
+from fixtures.encoder_models import T5_MODEL_TYPES, TINY_ENCODERS
 from fixtures.convert_helpers import TINY_CONFIGS, greedy, hf_greedy, hf_logits, make_hf_model
 
 from mlx_tfm.families import ARCHITECTURES
@@ -25,7 +26,10 @@ def our_logits(model, ids) -> np.ndarray:
 
 
 def test_every_table_entry_has_a_parity_case():
+    """Decoders are checked below; encoders in tests/test_encoders.py (TINY_ENCODERS) and
+    the encoder-decoders there too (T5_MODEL_TYPES: t5 and mt5, flan-t5 being t5)."""
     covered = {TINY_CONFIGS[name].get("model_type", name) for name in TINY_CONFIGS}
+    covered |= set(TINY_ENCODERS) | T5_MODEL_TYPES
     assert covered == set(ARCHITECTURES)
 
 
