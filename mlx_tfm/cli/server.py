@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import decoding_flags
+from . import decoding_flags, sharding_flags
 
 HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prompt cache)."
 
@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-kv-size", type=int, help="bound each request's KV cache to this many positions (rotating)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
     decoding_flags.add_arguments(parser)  # refused with one line: see decoding_flags.refuse_in_server
+    sharding_flags.add_arguments(parser)
 
 
 def read_api_key(args) -> str | None:
@@ -81,7 +82,7 @@ def settings_from(args):
         max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         chat_template_args=read_template_args(args.chat_template_args), max_batch=args.max_batch,
         prefill_step_size=args.prefill_step_size, prompt_cache_bytes=parse_size(args.prompt_cache_bytes),
-        max_kv_size=args.max_kv_size, log_level=args.log_level.lower(),
+        max_kv_size=args.max_kv_size, log_level=args.log_level.lower(), split=sharding_flags.mode(args),
     )
     ServerSettings(model="-", **settings)  # every flag checked before the model is looked for
     return ServerSettings(model=choose_model(args.model), **settings)
@@ -93,10 +94,29 @@ SERVER_PACKAGES = ("starlette", "uvicorn", "pydantic", "llguidance")
 def run(args) -> int:
     from ..errors import UserError
 
+    settings = settings_from(args)
+    world = sharding_flags.join(args)
+    if not world.leader:
+        return follow_rank_0(settings, world)
     try:
         from ..server.serve import serve
     except ModuleNotFoundError as e:
         if e.name not in SERVER_PACKAGES:
             raise
         raise UserError(f"mlx-tfm server needs the package {e.name}: pip install 'mlx-tfm[server]'") from None
-    return serve(settings_from(args))
+    return serve(settings)
+
+
+def follow_rank_0(settings, world) -> int:
+    """A rank other than 0 of a split model: no HTTP, its part of the model and the
+    engine rounds rank 0 runs, until rank 0's server stops."""
+    from ..distributed.follow import MirroredEngine
+    from ..distributed.sharding import splitter
+    from ..generate import check_vocabulary
+    from ..loading import load
+
+    model, tokenizer = load(settings.model, shard=splitter(settings.split, world))
+    check_vocabulary(model, tokenizer)
+    MirroredEngine(model, tokenizer, world, max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
+                   prompt_cache_bytes=settings.prompt_cache_bytes, max_kv_size=settings.max_kv_size).follow()
+    return 0

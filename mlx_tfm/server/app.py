@@ -35,21 +35,24 @@ def model_id_of(model: str) -> str:
 
 def load_serving(settings: ServerSettings) -> Serving:
     """Load the model and start the engine (runs on the loader thread, before any request)."""
-    from ..batching import Engine
+    from ..distributed.follow import engine_for
+    from ..distributed.sharding import splitter
+    from ..distributed.world import current
     from ..generate import check_vocabulary
     from ..loading import load
     from . import responses
     from .constrained import grammar_tokenizer
 
-    model, tokenizer = load(settings.model, adapter_path=settings.adapter_path)
+    world = current()  # the ranks a split model is shared with (cli/sharding_flags.py joins them)
+    model, tokenizer = load(settings.model, adapter_path=settings.adapter_path, shard=splitter(settings.split, world))
     if model.args.kind == "encoder":  # embeddings and rerank (server/embeddings.py), no engine
         return encoder_serving(model, tokenizer, model_id_of(settings.model))
     if model.args.kind == "encoder-decoder":
         raise ValueError(f"an encoder-decoder model ({model.args.model_type}): the server serves decoders and "
                          "encoders; use mlx-tfm generate")
     check_vocabulary(model, tokenizer)
-    engine = Engine(model, tokenizer, max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
-                    prompt_cache_bytes=settings.prompt_cache_bytes, max_kv_size=settings.max_kv_size)
+    engine = engine_for(model, tokenizer, world, max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
+                        prompt_cache_bytes=settings.prompt_cache_bytes, max_kv_size=settings.max_kv_size)
     engine.start()
     rotating = settings.max_kv_size is not None and model.args.position_embedding != "learned"
     return Serving(

@@ -36,6 +36,7 @@ class ServerSettings:
     max_kv_size: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    split: str | None = None  # "pipeline" | "tensor": the model split over mlx.launch's ranks
 
     def __post_init__(self):
         check_settings(self)
