@@ -231,8 +231,11 @@ def decode_ms(model, cache: list, steps: int = 16) -> float:
     return 1000 * (time.perf_counter() - start) / steps
 
 
-def state_bytes(cache: list) -> int:
-    return sum(a.nbytes for layer in cache for _, a in tree_flatten(layer.state) if isinstance(a, mx.array))
+def bytes_at(cache: list, length: int) -> float:
+    """The cache's arrays' bytes per position (axis 2 of each), times ``length``: the same
+    measure for both libraries, whatever room their buffers keep ahead."""
+    arrays = [a for layer in cache for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)]
+    return sum(a.nbytes / a.shape[2] for a in arrays) * length
 
 
 def kv_table(folders, length: int = 4096) -> None:
@@ -261,7 +264,7 @@ def kv_table(folders, length: int = 4096) -> None:
                 cache = made[library]()
                 fill(cache, ours.args, length - 1, dtype)
                 ms = decode_ms(model, cache)
-                size = state_bytes(cache) * length / cache[0].offset  # at exactly `length` positions
+                size = bytes_at(cache, length)
                 float16_bytes = float16_bytes or size
                 label = "float" if bits is None else f"{bits}-bit"
                 print(f"{name:<9} {label:<7} {library:<8} {size / 1e6:>7.1f} {size / float16_bytes:>9.3f}x {ms:>9.1f}",

@@ -17,6 +17,7 @@ import mlx.core as mx
 from .cache import QuantizedKV, window_mask
 from .cpu import on_cpu
 from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks, kernel_takes_one_query, one_query_attention
+from .cpu import quantized_attention as cpu_quantized
 from .cpu.quantized_attention import in_float32
 
 
@@ -55,21 +56,32 @@ def grouped_weights(scores: mx.array, mask, cap: float | None = None, sinks: mx.
 
 
 def quantized_attention(queries, keys: QuantizedKV, values: QuantizedKV, scale: float, mask,
-                        cap: float | None = None, sinks: mx.array | None = None) -> mx.array:
-    """Attention over quantized keys and values: the scores are ``mx.quantized_matmul`` of
-    the queries with the packed keys, the output that of the weights with the packed
-    values. GQA groups the queries as ``softcapped_attention`` does."""
+                        cap: float | None = None, sinks: mx.array | None = None, scores_of=None) -> mx.array:
+    """Attention over quantized keys and values: the scores are the product of the queries
+    with the packed keys (``scores_of``, or ``quantized_scores``), the output that of the
+    weights with the packed values, both ``mx.quantized_matmul``. GQA groups the queries as
+    ``softcapped_attention`` does."""
     B, n_heads, L, head_dim = queries.shape
     n_kv_heads = keys.data.shape[1]
     queries = (queries * scale).reshape(B, n_kv_heads, n_heads // n_kv_heads, L, head_dim)
-    # (B, n_kv_heads, 1, S, packed) broadcasts over the n_rep query heads of each KV head
-    grouped_keys, grouped_values = ([a[:, :, None] for a in x.arrays] for x in (keys, values))
-    scores = mx.quantized_matmul(queries, *grouped_keys, transpose=True, group_size=keys.group_size,
-                                 bits=keys.bits)  # (B, n_kv_heads, n_rep, L, S)
+    scores = (scores_of or quantized_scores)(queries, keys)  # (B, n_kv_heads, n_rep, L, S)
     weights = grouped_weights(scores, mask, cap, sinks)
-    out = mx.quantized_matmul(weights, *grouped_values, transpose=False, group_size=values.group_size,
-                              bits=values.bits)  # (B, n_kv_heads, n_rep, L, head_dim)
+    out = quantized_weighted_values(weights, values)  # (B, n_kv_heads, n_rep, L, head_dim)
     return out.reshape(B, n_heads, L, head_dim)
+
+
+def quantized_scores(queries: mx.array, keys: QuantizedKV) -> mx.array:
+    """Grouped queries (B, n_kv_heads, n_rep, L, head_dim) times the packed keys, which
+    broadcast over each KV head's n_rep query heads as (B, n_kv_heads, 1, S, packed)."""
+    grouped_keys = [a[:, :, None] for a in keys.arrays]
+    return mx.quantized_matmul(queries, *grouped_keys, transpose=True, group_size=keys.group_size, bits=keys.bits)
+
+
+def quantized_weighted_values(weights: mx.array, values: QuantizedKV) -> mx.array:
+    """Weights (B, n_kv_heads, n_rep, L, S) times the packed values -> (..., L, head_dim)."""
+    grouped_values = [a[:, :, None] for a in values.arrays]
+    return mx.quantized_matmul(weights, *grouped_values, transpose=False, group_size=values.group_size,
+                               bits=values.bits)
 
 
 def attention(queries, keys, values, scale: float, mask=None, softcap: float | None = None,
@@ -79,12 +91,14 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
     ``sinks`` (n_heads,): gpt-oss's per-head logit that joins every softmax and takes its
     share of the mass without a value. Quantized keys and values (``QuantizedKV``) and
     soft-capped scores take their own paths (no fused kernel has them; on the CPU the
-    quantized path computes in float32); on the CPU a chunk of more than ``QUERY_BLOCK``
-    queries goes a block at a time (less memory, the same numbers); everything else is
-    ``mx.fast.scaled_dot_product_attention``."""
+    quantized path computes in float32, its scores on every core:
+    ``mlx_tfm/cpu/quantized_attention.py``);
+    on the CPU a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less
+    memory, the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
     if isinstance(keys, QuantizedKV):
-        if on_cpu() and queries.dtype != mx.float32:
-            out = quantized_attention(*in_float32(queries, keys, values), scale, mask, softcap, sinks)
+        if on_cpu():
+            scores_of = cpu_quantized.scores if cpu_quantized.kernel_takes(queries, keys) else None
+            out = quantized_attention(*in_float32(queries, keys, values), scale, mask, softcap, sinks, scores_of)
             return out.astype(queries.dtype)
         return quantized_attention(queries, keys, values, scale, mask, softcap, sinks)
     if softcap:

@@ -17,6 +17,7 @@ from mlx_tfm.chat import ChatSession, Settings
 from mlx_tfm.cli import main
 from mlx_tfm.cli.generate import SHIPPED_MODEL
 from mlx_tfm.cpu import generic_routes
+from mlx_tfm.cpu.kernels import kernels
 from mlx_tfm.errors import UserError
 from mlx_tfm.model import Model, ModelArgs
 from mlx_tfm.prompt_cache import TokenCache
@@ -93,27 +94,31 @@ def test_quantized_attention_with_sinks_and_softcap_equals_the_float_paths():
     np.testing.assert_allclose(np.array(capped), np.array(reference), atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_cpu_route_computes_in_float32_and_agrees_with_the_generic_route(dtype, monkeypatch):
-    """On the CPU half-precision queries and scales become float32 (MLX's CPU kernel is
-    slow with half precision); the generic route (Metal's) keeps the dtype. Both land
-    within half-precision rounding of a float64 reference."""
-    calls = []
-    original = attention_module.in_float32
-    monkeypatch.setattr(attention_module, "in_float32", lambda *a: calls.append(1) or original(*a))
-    queries, keys, values = random_qkv(3, 50, dtype)
+@pytest.mark.parametrize("L", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_cpu_route_agrees_with_the_generic_route(dtype, L, monkeypatch):
+    """On the CPU the queries, scales and biases become float32 (MLX's CPU kernel is slow
+    with half precision) and the scores of a few queries per KV head take mlx_tfm's
+    quantized_matvec kernel; the generic route (Metal's) keeps the dtype and MLX's product.
+    Both land within rounding of a float64 reference of attention over the dequantized cache."""
+    calls = {"in_float32": 0, "scores": 0}
+    for module, name in ((attention_module, "in_float32"), (attention_module.cpu_quantized, "scores")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _f(*a))
+    queries, keys, values = random_qkv(L, 50, dtype)
     qk, qv = (QuantizedKV.quantize(x, 64, 4) for x in (keys, values))
-    cpu = attention(queries, qk, qv, 0.125, "causal")
-    assert calls == [1] and cpu.dtype == dtype
+    cpu = attention(queries, qk, qv, 0.125, "causal" if L > 1 else None)
+    kernel_in_use = kernels() is not None and 2 * L < 16  # n_rep 2 queries per KV head
+    assert calls == {"in_float32": 1, "scores": int(kernel_in_use)} and cpu.dtype == dtype
     with generic_routes():
-        generic = attention(queries, qk, qv, 0.125, "causal")
-    assert calls == [1] and generic.dtype == dtype
+        generic = attention(queries, qk, qv, 0.125, "causal" if L > 1 else None)
+    assert calls == {"in_float32": 1, "scores": int(kernel_in_use)} and generic.dtype == dtype
     k, v, q = (np.array(x.astype(mx.float32), np.float64) for x in (qk.dequantize(), qv.dequantize(), queries))
-    scores = np.einsum("bkrld,bksd->bkrls", q.reshape(2, 2, 2, 3, 64), k) * 0.125
-    scores = np.where(np.tril(np.ones((3, 50)), 47) > 0, scores, -np.inf)
+    scores = np.einsum("bkrld,bksd->bkrls", q.reshape(2, 2, 2, L, 64), k) * 0.125
+    scores = np.where(np.tril(np.ones((L, 50)), 50 - L) > 0, scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
-    reference = np.einsum("bkrls,bksd->bkrld", weights / weights.sum(-1, keepdims=True), v).reshape(2, 4, 3, 64)
-    tolerance = 0.02 if dtype == mx.float16 else 0.1
+    reference = np.einsum("bkrls,bksd->bkrld", weights / weights.sum(-1, keepdims=True), v).reshape(2, 4, L, 64)
+    tolerance = {mx.float32: 1e-5, mx.float16: 0.02, mx.bfloat16: 0.1}[dtype]
     for out in (cpu, generic):
         np.testing.assert_allclose(np.array(out.astype(mx.float32)), reference, atol=tolerance)
 
