@@ -10,6 +10,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures.quantization_quality import QUANT_BOUNDS, agreement_and_perplexity
 from fixtures.convert_helpers import (
     greedy,
     half_split_to_interleaved,
@@ -218,17 +219,6 @@ def test_load_accepts_gguf_directly(tmp_path, stories_dir, stories_tensors, gold
 #   8-bit: top-1 agreement 0.995, perplexity 1.6055 -> 1.6060 (+0.03%)
 #   4-bit: top-1 agreement 0.850, perplexity 1.6055 -> 1.8295 (+14.0%)
 # Bounds with margin:
-QUANT_BOUNDS = {8: (0.97, 0.01), 4: (0.75, 0.25)}  # bits -> (min agreement, max relative ppl increase)
-
-
-def agreement_and_perplexity(folder, sequence) -> tuple[np.ndarray, float]:
-    model, _ = load_model(folder)
-    logits = model(mx.array([sequence[:-1]]))[0].astype(mx.float32)
-    log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    nll = -mx.take_along_axis(log_probs, mx.array(sequence[1:])[:, None], axis=-1).mean().item()
-    return np.array(mx.argmax(logits, axis=-1)), float(np.exp(nll))
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_stories_within_bounds(bits, tmp_path, stories_dir, float_folder, sequence):
     convert(stories_dir / "stories260K.bin", tmp_path / "q", quantize=True, q_bits=bits, **QUIET)

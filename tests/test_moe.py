@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from fixtures.quantization_quality import QUANT_BOUNDS, agreement_and_perplexity
 from fixtures.convert_helpers import greedy, hf_logits, make_hf_model
 
 from mlx_tfm.cli import main
@@ -420,8 +421,6 @@ def upcycled_stories(stories_hf: Path, folder: Path) -> None:
 def test_quantized_moe_within_the_dense_bounds(bits, tmp_path, stories_hf, golden):
     """Quantized experts (routers kept at 8 bits) against the float MoE, teacher-forced over
     the 200 golden tokens: the bounds test_convert_stories.py holds dense stories260K to."""
-    from test_convert_stories import QUANT_BOUNDS, agreement_and_perplexity
-
     upcycled_stories(stories_hf, tmp_path / "moe")
     convert(tmp_path / "moe", tmp_path / "q", quantize=True, q_bits=bits, **QUIET)
     sequence = golden["prompt_ids"] + golden["generated_ids"]
