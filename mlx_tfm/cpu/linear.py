@@ -147,8 +147,9 @@ def half_product(x: mx.array, weight: mx.array) -> mx.array:
 
 def few_rows(rows: int) -> bool:
     """Whether ``float32_decode_product`` takes ``rows`` positions: one, or fewer than
-    ``DENSE_FROM_ROWS`` through mlx_tfm's kernel (speculative decoding checks 2-9 at once;
-    MLX's ``x @ W.T`` for 4 rows of the 135M model's head took 170 ms, the kernel 38 ms)."""
+    ``DENSE_FROM_ROWS`` through mlx_tfm's kernel, which reads each weight once for up to 8
+    (speculative decoding checks a few positions at once; MLX's ``x @ W.T`` is several
+    times slower for so few rows: figures in the README, "Faster and longer generation")."""
     return rows == 1 or (rows < DENSE_FROM_ROWS and kernels() is not None)
 
 

@@ -1,18 +1,17 @@
 """Attention over a quantized KV cache on the CPU: in float32, the scores on every core.
 
-MLX's CPU ``quantized_matmul`` runs on one core and is 5-40x slower with half-precision
-queries and scales than with float32 ones (measured on the 135M model's heads over 4,096
-cached positions: bfloat16 ~5x, float16 ~40x). So on the CPU:
+MLX's CPU ``quantized_matmul`` runs on one core and is several times slower with
+half-precision queries and scales than with float32 ones (figures in the README, "Faster
+and longer generation"). So on the CPU:
 
 - ``in_float32``: the queries and the cache's scales and biases (one of each per group of
   numbers: 1/32 of the cache at 4 bits, group 64) become float32 just in time; the packed
   keys and values are read as they are, never dequantized;
 - ``scores``: for a few queries per KV head (decoding, a speculative check) the queries
   times the packed keys go through mlx_tfm's ``quantized_matvec`` kernel, the keys as its
-  "weight rows", split over every core: 0.26-0.46 ms against MLX's 2.3-3.3 ms for one
-  query of the 135M model's 9 heads over 4,096 positions (0.54-0.64 ms against 8.8-10 ms
-  for four). The weighted sum of the values (a sum over positions, which the kernel does
-  not do) stays MLX's product: split over the CPU streams it was no faster.
+  "weight rows", split over every core. The weighted sum of the values (a sum over
+  positions, which the kernel does not do) stays MLX's product: split over the CPU streams
+  it was no faster.
 """
 
 from __future__ import annotations
