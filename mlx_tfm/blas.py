@@ -7,7 +7,13 @@ imported makes every MLX matmul use it (about 30x on a 1024x1024 float32 product
 
 Only distribution builds are tried: they select their kernels at run time for the CPU
 they find, so they never die with 'Illegal instruction' on a machine lacking AVX-512.
-On macOS MLX uses Accelerate and Metal; nothing is done there.
+That run-time choice goes by the CPU's model number, and on a CPU it does not know (a
+newer one, or a virtual machine that hides the model) it falls back to its oldest x86-64
+kernels ("Prescott", SSE3): Debian's OpenBLAS 0.3.21 does so on this project's Xeon
+machines, four to five times slower than its AVX-512 kernels. So the kernels are chosen
+here from the instruction sets the CPU reports (``OPENBLAS_CORETYPE``, read when the
+library loads), unless the user set that variable. On macOS MLX uses Accelerate and
+Metal; nothing is done there.
 """
 
 from __future__ import annotations
@@ -28,6 +34,15 @@ CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",
 )
+
+# OpenBLAS kernel families by the x86-64 instruction sets they need, best first; each is in
+# every OpenBLAS release since 0.3.10 built with DYNAMIC_ARCH (Debian's, Fedora's).
+CORE_TYPES = (
+    ("Cooperlake", {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16"}),
+    ("SkylakeX", {"avx512f", "avx512vl", "avx512bw", "avx512dq"}),
+    ("Haswell", {"avx2", "fma"}),
+)
+CORE_TYPE_VAR = "OPENBLAS_CORETYPE"
 
 # Set MLX_TFM_BLAS=reference to keep MLX's bundled BLAS, or to a path to load that library.
 ENV_VAR = "MLX_TFM_BLAS"
@@ -54,6 +69,8 @@ def route_blas() -> str | None:
     for path in ([choice] if choice else CANDIDATES):
         if not os.path.exists(path):
             continue
+        if CORE_TYPE_VAR not in os.environ and core_type(cpu_flags()):
+            os.environ[CORE_TYPE_VAR] = core_type(cpu_flags())
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
@@ -67,10 +84,41 @@ def route_blas() -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """The instruction sets the CPU reports (Linux's /proc/cpuinfo ``flags``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def core_type(flags: set[str]) -> str | None:
+    """The best OpenBLAS kernel family whose instructions ``flags`` has (None: leave
+    OpenBLAS's own choice, e.g. on arm64)."""
+    return next((name for name, needs in CORE_TYPES if needs <= flags), None)
+
+
+def openblas_core() -> str | None:
+    """The kernel family the loaded OpenBLAS runs (``openblas_get_corename``)."""
+    if not _loaded:
+        return None
+    try:
+        corename = ctypes.CDLL(_loaded).openblas_get_corename
+    except (OSError, AttributeError):
+        return None
+    corename.restype = ctypes.c_char_p
+    return corename().decode()
+
+
 def blas_description() -> str:
-    """One line for `mlx-tfm info`: which BLAS MLX's CPU matmuls use, and why."""
+    """One line for `mlx-tfm info`: which BLAS MLX's CPU matmuls use, its kernels, and why."""
     if _loaded:
-        return f"OpenBLAS ({_loaded})"
+        core = openblas_core()
+        return f"OpenBLAS ({_loaded}; {core} kernels)" if core else f"OpenBLAS ({_loaded})"
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     return f"MLX's bundled reference BLAS ({_reason})"

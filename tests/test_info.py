@@ -58,7 +58,7 @@ def test_info_reports_the_blas_this_machine_has():
     if not sys.platform.startswith("linux"):
         assert "OpenBLAS" not in result.stdout
     elif installed:
-        assert f"OpenBLAS ({installed[0]})" in result.stdout
+        assert f"OpenBLAS ({installed[0]}" in result.stdout
     else:
         assert "reference BLAS (no optimized BLAS found (install libopenblas0-pthread))" in result.stdout
 
@@ -94,3 +94,41 @@ def test_no_subcommand_prints_help_and_fails():
     result = run_cli()
     assert result.returncode == 2
     assert "COMMAND" in result.stdout
+
+
+CORE = "from mlx_tfm import blas; print(blas.openblas_core())"
+
+
+def openblas_core_through(env) -> str:
+    result = subprocess.run([sys.executable, "-c", CORE], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_core_type_follows_the_instruction_sets():
+    from mlx_tfm.blas import core_type
+
+    avx512 = {"avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512dq"}
+    assert core_type(avx512 | {"avx512_bf16"}) == "Cooperlake"
+    assert core_type(avx512) == "SkylakeX"
+    assert core_type({"avx2", "fma", "sse3"}) == "Haswell"
+    assert core_type({"sse3", "ssse3"}) is None  # OpenBLAS's own choice stands
+    assert core_type(set()) is None  # arm64's flags name none of these
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS routing is Linux-only; macOS uses Accelerate")
+def test_openblas_runs_the_kernels_the_cpu_can():
+    """OpenBLAS 0.3.21 takes this project's Xeon machines for a 2004 Prescott (SSE3 kernels,
+    4-5x slower); mlx_tfm names the kernels from the CPU's instruction sets, and a user's
+    OPENBLAS_CORETYPE wins."""
+    from mlx_tfm.blas import core_type, cpu_flags
+
+    installed = [p for p in CANDIDATES if os.path.exists(p)]
+    assert installed, "no OpenBLAS installed (apt-get install libopenblas0-pthread; .ci/run does)"
+    env = {k: v for k, v in clean_env().items() if k != "OPENBLAS_CORETYPE"}
+    expected = core_type(cpu_flags())
+    assert expected is not None, "this test needs an x86-64 CPU with AVX2"
+    assert openblas_core_through(env) == expected
+    assert openblas_core_through({**env, "OPENBLAS_CORETYPE": "Haswell"}) == "Haswell"
+    result = run_cli("info", env=env)
+    assert f"{expected} kernels" in result.stdout
