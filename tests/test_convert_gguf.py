@@ -2,11 +2,14 @@
 llama.cpp's conventions): Llama with a SentencePiece vocab and with Llama-3-style
 byte-level BPE, Qwen2 with biases and Qwen2's pre-tokenizer, quantized blocks included.
 Each further family written as llama.cpp's converter writes it gives transformers' logits;
-every pre-tokenizer name we read splits text as llama.cpp's own regexes do."""
+every pre-tokenizer name we read splits text as llama.cpp's own regexes do. Mixtures of
+experts (qwen3moe, Mixtral as a llama with experts, stacked or one tensor per expert,
+quantized experts) give transformers' logits too."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -15,8 +18,10 @@ from conftest import data_path
 from fixtures.cli_runs import convert_error
 from fixtures.convert_helpers import (
     greedy,
+    half_split_to_interleaved,
     hf_greedy,
     hf_logits,
+    llama_cpp_hparams,
     make_hf_model,
     stories_llama2c_tensors,
     train_byte_level_bpe,
@@ -442,3 +447,209 @@ def test_gemma_style_sentencepiece_gguf(tmp_path, gemma_style_spm, shakespeare):
     sp = spm.SentencePieceProcessor(model_file=str(gemma_style_spm))
     text = "<start_of_turn>user\n" + "\n".join(shakespeare[8000:8030]) + " 12345 naïve 🦙<end_of_turn>\n"
     assert tokenizer.encode(text, add_special_tokens=False) == sp.encode(text)
+
+
+# -- mixtures of experts as llama.cpp writes them ---------------------------------------------
+
+# model_type -> (overrides that match what llama.cpp assumes of the family, pre-tokenizer).
+# llama.cpp's qwen3moe makes every layer a mixture and always renormalises the chosen
+# experts; its Mixtral is a llama with expert_count set.
+MOE_CASES = {
+    "qwen3_moe": (dict(decoder_sparse_step=1, norm_topk_prob=True), "qwen2"),
+    "mixtral": ({}, "llama-bpe"),
+}
+HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def llama_cpp_moe_tensors(config: dict, weights: dict, one_per_expert: bool) -> dict[str, np.ndarray]:
+    """A Qwen3-MoE or Mixtral checkpoint's tensors in llama.cpp's names and layout, as its
+    converter makes them (Qwen2MoeModel / LlamaModel.modify_tensors): each projection's
+    experts stacked (experts, out, in) under the merged name the gguf name map knows
+    (older converters: one tensor per expert, ``blk.N.ffn_gate.E.weight``); Mixtral's q/k
+    rows permuted as any llama's."""
+    import gguf
+
+    mixtral = config["model_type"] == "mixtral"
+    arch = gguf.MODEL_ARCH.LLAMA if mixtral else gguf.MODEL_ARCH.QWEN3MOE
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    tensors, experts = {}, {}
+    for name, w in weights.items():
+        if match := HF_EXPERT.fullmatch(name):
+            layer, expert, projection = match.groups()
+            experts.setdefault((layer, projection), {})[int(expert)] = w
+            continue
+        if mixtral and name.endswith("self_attn.q_proj.weight"):
+            w = half_split_to_interleaved(w, config["num_attention_heads"])
+        if mixtral and name.endswith("self_attn.k_proj.weight"):
+            w = half_split_to_interleaved(w, config["num_key_value_heads"])
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    for (layer, projection), per_expert in experts.items():
+        merged = f"layers.{layer}.feed_forward.experts.{projection}" if mixtral else \
+            f"model.layers.{layer}.mlp.experts.{projection}"
+        gguf_name = names.get_name(merged)  # blk.N.ffn_gate_exps
+        stacked = np.stack([per_expert[e] for e in range(len(per_expert))])  # (experts, out, in)
+        if one_per_expert:
+            tensors.update({f"{gguf_name.removesuffix('_exps')}.{e}.weight": w for e, w in enumerate(stacked)})
+        else:
+            tensors[f"{gguf_name}.weight"] = stacked
+    return tensors
+
+
+def write_moe_gguf(hf_folder, path, add_tokenizer, expert_type="F32", one_per_expert=False, edit=None) -> None:
+    """A Hugging Face Qwen3-MoE or Mixtral folder as llama.cpp's converter writes it, the
+    experts in ``expert_type`` blocks; ``edit(tensors)`` spoils the file for error tests."""
+    import gguf
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    mixtral = config["model_type"] == "mixtral"
+    writer = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
+    llama_cpp_hparams(writer, config)
+    writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])  # transformers 5 saves either
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if not mixtral:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    add_tokenizer(writer)
+    weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
+    tensors = llama_cpp_moe_tensors(config, weights, one_per_expert)
+    for name, w in (edit(tensors) if edit else tensors).items():
+        is_expert = "_exps." in name or re.fullmatch(r"blk\.\d+\.ffn_\w+\.\d+\.weight", name)
+        if is_expert and expert_type != "F32":
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def moe_gguf(name, tmp_path, bpe, **write_options):
+    overrides, pre = MOE_CASES[name]
+    tokens, _, eot = bpe
+    hf = make_hf_model(name, tmp_path / "hf", vocab_size=len(tokens), bos_token_id=eot, eos_token_id=eot,
+                       pad_token_id=eot, **overrides)
+    write_moe_gguf(tmp_path / "hf", tmp_path / "model.gguf", bpe_writer(bpe, pre), **write_options)
+    return hf
+
+
+def transformers_reads_qwen3moe_gguf(path, moe_intermediate_size: int):
+    """transformers' GGUF reader, an independent reading of llama.cpp's stacked experts; its
+    config reader leaves out the experts' size (test_qwen3moe_gguf_config_as_transformers_reads_it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = {**load_gguf_checkpoint(str(path))["config"], "moe_intermediate_size": moe_intermediate_size}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+@pytest.mark.parametrize("name,one_per_expert", [("qwen3_moe", False), ("mixtral", False), ("mixtral", True)])
+def test_moe_gguf_matches_transformers(name, one_per_expert, tmp_path, bpe):
+    hf = moe_gguf(name, tmp_path, bpe, one_per_expert=one_per_expert)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == name
+    reference = hf_logits(hf, IDS)
+    np.testing.assert_allclose(our_logits(tmp_path / "out", IDS), reference, atol=1e-4, rtol=0)
+    model, _ = mlx_tfm.load(tmp_path / "out")
+    assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
+    if name == "qwen3_moe":  # the file's layout, read by transformers, is the model's
+        theirs = transformers_reads_qwen3moe_gguf(tmp_path / "model.gguf", hf.config.moe_intermediate_size)
+        np.testing.assert_allclose(hf_logits(theirs, IDS), reference, atol=1e-4, rtol=0)
+
+
+def dequantized_experts(path) -> dict[str, np.ndarray]:
+    """gguf's own decoding of every expert tensor of a file, one-per-expert ones stacked:
+    {``blk.N.ffn_gate`` ...: (experts, out, in)}."""
+    import gguf
+
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        stacked = re.fullmatch(r"(blk\.\d+\.ffn_\w+)_exps\.weight", t.name)
+        single = re.fullmatch(r"(blk\.\d+\.ffn_\w+)\.(\d+)\.weight", t.name)
+        if stacked:
+            parts.setdefault(stacked[1], {}).update(enumerate(gguf.quants.dequantize(t.data, t.tensor_type)))
+        elif single:
+            parts.setdefault(single[1], {})[int(single[2])] = gguf.quants.dequantize(t.data, t.tensor_type)
+    return {name: np.stack([experts[e] for e in sorted(experts)]) for name, experts in parts.items()}
+
+
+def set_hf_experts(hf, experts: dict[str, np.ndarray]) -> None:
+    """The transformers model's experts replaced by ``experts`` (transformers 5 holds them
+    fused: gate_up_proj (experts, 2F, D), gate rows first; down_proj (experts, D, F))."""
+    import torch
+
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            gate_up = np.concatenate([experts[f"blk.{i}.ffn_gate"], experts[f"blk.{i}.ffn_up"]], axis=1)
+            layer.mlp.experts.gate_up_proj.copy_(torch.from_numpy(gate_up))
+            layer.mlp.experts.down_proj.copy_(torch.from_numpy(experts[f"blk.{i}.ffn_down"]))
+
+
+OUR_EXPERTS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
+@pytest.mark.parametrize("name,kind,one_per_expert", [
+    ("qwen3_moe", "Q8_0", False), ("qwen3_moe", "Q4_0", False), ("mixtral", "Q4_1", False), ("mixtral", "Q8_0", True),
+])
+def test_moe_gguf_quantized_experts_stay_exact(name, kind, one_per_expert, tmp_path, bpe):
+    """Q8_0 / Q4_0 / Q4_1 experts are carried over as MLX groups that dequantize to exactly
+    gguf's decoding, and the model computes what transformers computes with those experts."""
+    hf = moe_gguf(name, tmp_path, bpe, expert_type=kind, one_per_expert=one_per_expert)
+    convert(tmp_path / "model.gguf", tmp_path / "out", dtype="float32", **QUIET)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    bits = config["quantization"]["bits"]
+    assert (bits, config["quantization"]["group_size"]) == (8 if kind == "Q8_0" else 4, 32)
+    block = "block_sparse_moe" if name == "mixtral" else "mlp"
+    ours = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+    experts = dequantized_experts(tmp_path / "model.gguf")
+    assert len(experts) == 3 * hf.config.num_hidden_layers
+    for gguf_name, reference in experts.items():
+        layer, projection = gguf_name.split(".")[1], OUR_EXPERTS[gguf_name.split(".")[2]]
+        base = f"model.layers.{layer}.{block}.switch_mlp.{projection}"
+        dequantized = mx.dequantize(ours[f"{base}.weight"], ours[f"{base}.scales"], ours[f"{base}.biases"],
+                                    group_size=32, bits=bits)
+        np.testing.assert_array_equal(np.array(dequantized), reference)
+    set_hf_experts(hf, experts)
+    np.testing.assert_allclose(our_logits(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def without(name: str):
+    return lambda tensors: {k: v for k, v in tensors.items() if k != name}
+
+
+def first_three_experts_of(name: str):
+    return lambda tensors: {**tensors, name: tensors[name][:3]}
+
+
+@pytest.mark.parametrize("one_per_expert,edit,message", [
+    (False, without("blk.1.ffn_down_exps.weight"), "lacks blk.1.ffn_down_exps.weight"),
+    (False, first_three_experts_of("blk.0.ffn_up_exps.weight"),
+     "blk.0.ffn_up_exps.weight holds 3 experts, the metadata says 4"),
+    (True, without("blk.0.ffn_up.2.weight"), "lacks blk.0.ffn_up.2.weight"),
+])
+def test_moe_gguf_missing_expert_is_one_line(one_per_expert, edit, message, tmp_path, bpe, capsys):
+    moe_gguf("mixtral", tmp_path, bpe, one_per_expert=one_per_expert, edit=edit)
+    capsys.readouterr()
+    err = convert_error(capsys, "--hf-path", tmp_path / "model.gguf", "--mlx-path", tmp_path / "out")
+    assert message in err, err
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_mapping_of_stacked_experts_is_exact(kind):
+    """(experts, out, bytes) blocks -> MLX (experts, out, ...) arrays, per row as a matrix's."""
+    import gguf
+
+    from mlx_tfm.convert.gguf_file import to_mlx_quantized
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = np.random.default_rng(1).standard_normal((3, 8, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)  # (3, 8, bytes)
+    packed, scales, biases = to_mlx_quantized(kind, blocks)
+    assert packed.shape[:2] == scales.shape[:2] == biases.shape[:2] == (3, 8)
+    ours = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32,
+                         bits=8 if kind == "Q8_0" else 4)
+    np.testing.assert_array_equal(np.array(ours), gguf.quants.dequantize(blocks, qtype))

@@ -11,6 +11,14 @@ Architectures: one row of ``GGUF_ARCHITECTURES`` each, saying which Hugging Face
 file becomes, how llama.cpp's tensor names map onto its names, and what llama.cpp's
 converter did to the tensors that must be undone: Llama-lineage converters permute q/k
 rows into interleaved-RoPE order, Gemma's add 1 to every norm weight.
+
+Mixtures of experts (qwen3moe; Mixtral, which llama.cpp writes as a ``llama`` with
+``expert_count`` set): llama.cpp stacks each projection's experts into one tensor,
+``blk.N.ffn_{gate,up,down}_exps.weight``, (experts, out, in) as numpy reads it, which is
+mlx-lm's stacked layout already; older Mixtral files hold one tensor per expert,
+``blk.N.ffn_gate.E.weight``, which become Hugging Face's per-expert names and are stacked
+by the family's own expert layout (``mlx_tfm.families``). Quantized experts are blocks per
+row like a matrix's, so Q8_0 / Q4_0 / Q4_1 experts are carried over exactly too.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tfm.errors import UserError
+from mlx_tfm.families import MIXTRAL_EXPERT_PROJECTIONS, QWEN_EXPERT_PROJECTIONS, num_experts_of
 
 from .sources import Source
 from .llama2c import interleaved_to_half_split
@@ -73,8 +82,27 @@ PHI2_NAMES = (
     per_layer("ffn_up", "mlp.fc1"),
     per_layer("ffn_down", "mlp.fc2"),
 )
-# Qwen3-MoE: the router; the stacked experts (ffn_*_exps) are the mixture-of-experts reader's.
-QWEN3MOE_NAMES = LLAMA_NAMES + (per_layer("ffn_gate_inp", "mlp.gate"),)
+
+
+def expert_names(block: str, hf_projections: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """A mixture-of-experts layer: the router ``ffn_gate_inp`` -> ``{block}.gate``; stacked
+    experts ``blk.N.ffn_gate_exps.weight`` -> ``model.layers.N.{block}.switch_mlp.gate_proj.weight``;
+    one tensor per expert (older files) ``blk.N.ffn_gate.E.weight`` -> the Hugging Face
+    per-expert name ``model.layers.N.{block}.experts.E.{projection}.weight``, where
+    ``hf_projections`` is the family's (Hugging Face projection -> stacked projection) table."""
+    ours = {stacked: hf for hf, stacked in hf_projections.items()}
+    names = [per_layer("ffn_gate_inp", f"{block}.gate")]
+    for gguf_name, stacked in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+        names.append((rf"blk\.(\d+)\.{gguf_name}_exps\.weight",
+                      rf"model.layers.\1.{block}.switch_mlp.{stacked}.weight"))
+        names.append((rf"blk\.(\d+)\.{gguf_name}\.(\d+)\.weight",
+                      rf"model.layers.\1.{block}.experts.\2.{ours[stacked]}.weight"))
+    return tuple(names)
+
+
+QWEN3MOE_NAMES = LLAMA_NAMES + expert_names("mlp", QWEN_EXPERT_PROJECTIONS)
+# A llama file with experts is Mixtral (see llama_keys); a dense one never holds these tensors.
+LLAMA_OR_MIXTRAL_NAMES = LLAMA_NAMES + expert_names("block_sparse_moe", MIXTRAL_EXPERT_PROJECTIONS)
 
 
 # -- configs: llama.cpp's metadata -> Hugging Face config keys, per family ----------------------
@@ -83,6 +111,20 @@ QWEN3MOE_NAMES = LLAMA_NAMES + (per_layer("ffn_gate_inp", "mlp.gate"),)
 
 def no_keys(get, base: dict, tensors: dict) -> dict:
     return {}
+
+
+def llama_keys(get, base: dict, tensors: dict) -> dict:
+    """llama.cpp writes Mixtral as a llama with experts; Mixtral routes by softmax over all
+    experts, the top k renormalised (no flag: mixtral_args), as llama.cpp's llama does."""
+    n_experts = int(get("expert_count") or 0)
+    if not n_experts:
+        return {}
+    return {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": int(get("expert_used_count")),
+    }
 
 
 def gemma3_keys(get, base: dict, tensors: dict) -> dict:
@@ -170,7 +212,7 @@ class GGUFArchitecture:
 
 
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", LLAMA_OR_MIXTRAL_NAMES, llama_keys, permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_NAMES, qwen3moe_keys),
@@ -275,8 +317,8 @@ def hf_name(name: str, arch: str) -> str:
 
 
 def exact_type(tensors: dict) -> str | None:
-    """The exactly-representable quantization type most 2D weights use (one per folder:
-    config.json holds one bits/group_size)."""
+    """The exactly-representable quantization type most matrices (and stacked experts) use
+    (one per folder: config.json holds one bits/group_size)."""
     counts = Counter(t.tensor_type.name for t in tensors.values() if t.tensor_type.name in EXACT_TYPES)
     return counts.most_common(1)[0][0] if counts else None
 
@@ -316,13 +358,21 @@ def decode_float(t, data: np.ndarray) -> mx.array:
 
 
 def to_mlx_quantized(kind: str, data: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
-    """GGUF blocks (rows, n_blocks * block_bytes) -> MLX (packed uint32, scales, biases).
+    """GGUF blocks (..., rows, n_blocks * block_bytes) -> MLX (packed uint32, scales,
+    biases), each (..., rows, -1); stacked experts (experts, rows, bytes) are rows too.
 
     Q8_0: w = d * q, q int8    -> q + 128 unsigned, scale d, bias -128 d
     Q4_0: w = d * (q - 8)      -> scale d, bias -8 d
     Q4_1: w = d * q + m        -> scale d, bias m
     MLX packs values little-endian, element i of a uint32 at bits [i*bits, (i+1)*bits).
     """
+    lead = data.shape[:-1]
+    weight, scales, biases = quantized_rows(kind, data.reshape(-1, data.shape[-1]))  # (experts * rows, bytes)
+    return tuple(mx.array(a.reshape(*lead, -1)) for a in (weight, scales, biases))
+
+
+def quantized_rows(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks (rows, n_blocks * block_bytes) -> (packed uint32, scales, biases) as numpy."""
     rows = data.shape[0]
     head = 4 if kind == "Q4_1" else 2
     blocks = data.reshape(rows, -1, head + (GROUP_SIZE if kind == "Q8_0" else GROUP_SIZE // 2))
@@ -342,7 +392,7 @@ def to_mlx_quantized(kind: str, data: np.ndarray) -> tuple[mx.array, mx.array, m
     scales, biases = d.astype(np.float32), biases.astype(np.float32)
     if np.abs(biases).max() <= np.finfo(np.float16).max:  # -128 d can overflow float16
         scales, biases = d, biases.astype(np.float16)
-    return mx.array(weight), mx.array(scales), mx.array(biases)
+    return weight, scales, biases
 
 
 def check_tensor_types(reader, path: Path) -> None:
@@ -355,6 +405,34 @@ def check_tensor_types(reader, path: Path) -> None:
             )
 
 
+def check_experts(tensors: dict, config: dict, path: Path) -> None:
+    """Every layer of a mixture of experts holds each projection's experts, stacked or one
+    tensor per expert, as many as the metadata's expert_count (all layers of qwen3moe and
+    Mixtral are mixtures); or an error naming the tensor."""
+    n_experts = num_experts_of(config)
+    if not n_experts:
+        return
+    for layer in range(config["num_hidden_layers"]):
+        for projection in ("ffn_gate", "ffn_up", "ffn_down"):
+            check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
+
+
+def check_layer_experts(tensors: dict, prefix: str, n_experts: int, path: Path) -> None:
+    stacked = f"{prefix}_exps.weight"
+    if stacked in tensors:
+        shape = tensors[stacked].data.shape  # (experts, out, in), or (experts, out, bytes) when quantized
+        if len(shape) != 3 or shape[0] != n_experts:
+            held = shape[0] if len(shape) == 3 else 1
+            raise UserError(f"{path}: GGUF tensor {stacked} holds {held} experts, the metadata says {n_experts}")
+        return
+    missing = [f"{prefix}.{e}.weight" for e in range(n_experts) if f"{prefix}.{e}.weight" not in tensors]
+    if len(missing) == n_experts:
+        raise UserError(f"{path}: GGUF file lacks {stacked} (the layer's {n_experts} experts; "
+                        f"nor does it hold them one per expert, {prefix}.0.weight ...)")
+    if missing:
+        raise UserError(f"{path}: GGUF file lacks {missing[0]} (one of the layer's {n_experts} experts)")
+
+
 def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
     tensors = {t.name: t for t in reader.tensors}
     exact = exact_type(tensors)
@@ -364,7 +442,7 @@ def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
         hf = hf_name(gguf_name, arch)
         for name, data in split_fused_qkv(hf, unpermute_rows(t.data, hf, config, arch), config).items():
             kind = t.tensor_type.name
-            if kind == exact and data.ndim == 2:
+            if kind == exact and data.ndim in (2, 3):  # matrices and stacked experts
                 base = name.removesuffix(".weight")
                 weights[name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx_quantized(kind, data)
                 continue
@@ -541,7 +619,9 @@ def read_gguf(path: Path) -> Source:
         raise UserError(f"{path}: GGUF file has no token_embd.weight tensor")
     check_tensor_types(reader, path)
     files = tokenizer_files(meta, path)
-    config = hf_config(meta, {t.name: t for t in reader.tensors}, arch)
+    tensors = {t.name: t for t in reader.tensors}
+    config = hf_config(meta, tensors, arch)
+    check_experts(tensors, config, path)
     weights, quantization = read_tensors(reader, config, arch)
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
