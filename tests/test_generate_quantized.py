@@ -14,7 +14,7 @@ from mlx_tfm.cpu import linear as cpu_linear
 from mlx_tfm.cpu.linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("rows", [1, 3, 40, 100])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_dense_route_equals_the_quantized_kernel(rows, dtype):
     mx.random.seed(0)
@@ -27,7 +27,7 @@ def test_dense_route_equals_the_quantized_kernel(rows, dtype):
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert np.allclose(np.array(ours(x).astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
     assert ours(x).dtype == dtype
-    assert ours.dense_is_faster(x) == (rows >= QuantizedLinear.dense_from_rows)
+    assert ours.dense_is_faster(x) == (rows >= ours.dense_from())
 
 
 @pytest.mark.parametrize("streams", [1, 2, 3])
@@ -63,7 +63,7 @@ def test_quantized_tied_head_equals_mlx_as_linear(scales_dtype, monkeypatch):
     assert np.allclose(np.array(head.astype(mx.float32)), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_path):
+def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_path, monkeypatch):
     model, tokenizer = load(stories_hf)
     # 8 bits: close enough to keep the greedy text; down_proj (172 inputs) stays float
     nn.quantize(model, group_size=32, bits=8,
@@ -79,7 +79,8 @@ def test_quantized_folder_loads_with_fast_layers_and_generates(stories_hf, tmp_p
     assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(layer.mlp.up_proj, QuantizedLinear)
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)  # the tied head
     prompt = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
-    assert len(prompt) >= QuantizedLinear.dense_from_rows  # the prompt goes the dense route
+    assert len(prompt) >= layer.self_attn.q_proj.dense_from_rows  # the dense route without the kernels
+    monkeypatch.setattr(cpu_linear, "QUANTIZED_DENSE_FROM_ROWS", len(prompt))  # and with them
     reference = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]  # nn.QuantizedLinear
     assert [r.token for r in stream_generate(quantized, tokenizer, prompt, max_tokens=20)] == reference
 

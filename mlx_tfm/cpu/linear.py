@@ -66,6 +66,10 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
 
 # From this many positions on, a product goes through float32 BLAS (``float32_product``).
 DENSE_FROM_ROWS = 16
+# The same for a quantized layer mlx_tfm's kernels take: they read each weight once for 8
+# positions, and the dense route must first dequantize the whole layer, so the kernels win
+# for longer (a batch of 16-64 decoding streams; crossover measured in the README, "CPU kernels").
+QUANTIZED_DENSE_FROM_ROWS = 96
 
 
 @functools.cache
@@ -210,7 +214,11 @@ class QuantizedLinear(nn.QuantizedLinear):
         )
 
     def dense_is_faster(self, x: mx.array) -> bool:
-        return x.size // x.shape[-1] >= self.dense_from_rows
+        return x.size // x.shape[-1] >= self.dense_from()
+
+    def dense_from(self) -> int:
+        """From how many positions the dense route is the faster."""
+        return QUANTIZED_DENSE_FROM_ROWS if kernels_take(self) else self.dense_from_rows
 
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> "QuantizedLinear":
