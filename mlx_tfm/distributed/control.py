@@ -125,7 +125,7 @@ class ControlLink:
         host, port = self.launch.control
         deadline = time.monotonic() + self.launch.timeout_s
         try:
-            listener = socket.create_server((host, port), reuse_port=False)
+            listener = socket.create_server((host, port))
         except OSError as e:
             raise UserError(f"rank 0 cannot listen on {host}:{port} for the other ranks ({e.strerror}); is that "
                             f"address this machine's, and the port free? (set MLX_TFM_CONTROL_ADDRESS)") from None

@@ -130,7 +130,11 @@ def join() -> World:
     link = ControlLink(launch)
     link.connect()
     link.watch()
-    group = init_guarded(launch)
+    try:
+        group = init_guarded(launch)
+    except UserError as e:
+        link.end(str(e))  # the others learn why, not only that this rank left
+        raise
     _joined = World(launch.rank, launch.size, group, link)
     sys.excepthook = _reporting_excepthook(sys.excepthook)
     atexit.register(command_ended, 0)  # a script that simply ends has finished (the CLI says so itself)
