@@ -403,7 +403,9 @@ def test_decoding_products_take_the_kernels_and_prompt_chunks_do_not(monkeypatch
     mx.eval(embedding(mx.array([[3, 7]])))
     assert calls == ["quantized_matvec", "matvec", "matvec", "quantized_matvec", "matvec", "quantized_rows"]
     mx.eval(quantized(random((1, 40, 128))), half(random((1, 40, 128), mx.float16)))
-    assert calls[6:] == ["dequantize"]  # prompt chunks: float32 BLAS, the quantized weight dequantized by the kernel
+    assert calls[6:] == ["quantized_matvec"]  # 40 positions: a quantized layer stays on its kernel
+    mx.eval(quantized(random((1, 100, 128))), half(random((1, 100, 128), mx.float16)))
+    assert calls[7:] == ["dequantize"]  # prompt chunks: float32 BLAS, the quantized weight dequantized by the kernel
 
 
 def test_a_model_decodes_the_same_with_and_without_kernels():

@@ -22,7 +22,8 @@ from fixtures.variants import TOKENS, build, decode_in_pieces
 
 SHAPE = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128)
-PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(40)]])  # 40 positions: dense products, query blocks
+# 100 positions: dense products (quantized layers the kernels take switch at 96), query blocks
+PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(100)]])
 
 
 def random_model(tied: bool, dtype, bits: int | None) -> Model:
@@ -58,7 +59,7 @@ class RouteSpy:
 
 
 def prompt_then_decode(model: Model) -> mx.array:
-    """Logits of a 40-token prompt (one chunk) and then 3 single tokens through the cache."""
+    """Logits of a 100-token prompt (one chunk) and then 3 single tokens through the cache."""
     cache = model.make_cache()
     outputs = [model(PROMPT, cache=cache)]
     for token in (5, 77, 123):
