@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from .attention import attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
+from .cpu import pointwise as cpu_pointwise
 from .experts import SparseMoeBlock, clamped_swiglu
 from .positions import SinusoidalPositions, make_rope, position_ids
 from .relative_positions import relative_position_bias
@@ -190,9 +191,9 @@ def check_head_counts(n_heads: int, n_kv_heads: int, hidden_size: int, head_dim:
 # -- building blocks ---------------------------------------------------------------
 
 
-# On MLX's CPU backend the mx.fast norms and RoPE are chains of primitive ops; compiling
-# them fuses each chain into one kernel (about twice as fast per call, which is most of a
-# decode step for small models). On Metal they are single kernels already.
+# On MLX's CPU backend the mx.fast norms and RoPE are chains of primitive ops: mlx_tfm's
+# kernels take them where they are in use (mlx_tfm/cpu/pointwise.py); otherwise compiling
+# fuses each chain into one kernel. On Metal they are single kernels already.
 @partial(mx.compile, shapeless=True)
 def fused_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
@@ -207,6 +208,8 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self.weight + self.weight_offset if self.weight_offset else self.weight
+        if cpu_pointwise.in_use():
+            return cpu_pointwise.rms_norm(x, weight, self.eps)
         return fused_rms_norm(x, weight, self.eps)
 
 
@@ -245,6 +248,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[args.hidden_act]
         self.gated = args.ffn_gated
         self.gated_act = gated_activation(args.hidden_act)
+        self.silu = args.hidden_act == "silu"
         D, F, bias = args.hidden_size, intermediate_size or args.intermediate_size, args.mlp_bias
         if self.gated:
             self.gate_proj = nn.Linear(D, F, bias=bias)
@@ -252,6 +256,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(F, D, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gated and self.silu and cpu_pointwise.in_use():
+            return self.down_proj(cpu_pointwise.silu_mul(self.gate_proj(x), self.up_proj(x)))
         if self.gated:
             return self.down_proj(self.gated_act(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.up_proj(x)))

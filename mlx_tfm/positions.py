@@ -10,6 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cpu import pointwise as cpu_pointwise
+
 
 def rope_inverse_frequencies(dims: int, base: float, scaling: dict | None, max_position_embeddings: int) -> np.ndarray:
     """theta_i = base^(-2i/dims), adjusted by the checkpoint's rope scaling (llama3, yarn)."""
@@ -99,6 +101,8 @@ class RoPE(nn.Module):
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if self.attention_factor != 1.0:
             x = self._scale_rotated_dims(x)
+        if cpu_pointwise.in_use() and x.ndim == 4:
+            return cpu_pointwise.rope(x, offset, self._freqs, self.dims, self.traditional, self.scale)
         # The offset goes in as an array so one compiled graph serves every position.
         return fused_rope(x, self._freqs, mx.array(offset), self.dims, self.traditional, self.scale)
 

@@ -277,6 +277,116 @@ def test_a_product_behind_dequantize_stays_differentiable():
     assert np.allclose(np.array(mx.grad(through_kernel)(x)), np.array(mx.grad(through_mlx)(x)), atol=1e-4)
 
 
+# -- pointwise ops: RMSNorm, RoPE, silu(gate) * up -------------------------------------------
+
+
+def assert_within(result: mx.array, reference, ulps: float, magnitude=None) -> None:
+    """|result - reference| within ``ulps`` units of float32 rounding of ``magnitude`` (the
+    reference's own by default), plus the rounding of result's own dtype, twice (MLX rounds
+    intermediates in it)."""
+    result32 = np.array(result.astype(mx.float32))
+    reference = np.array(reference.astype(mx.float32)) if isinstance(reference, mx.array) else reference
+    magnitude = np.abs(reference) if magnitude is None else magnitude
+    bound = (ulps * 2.0**-24 + 2 * OUTPUT_EPS[result.dtype]) * (magnitude + 1e-3)
+    excess = np.abs(result32 - reference) / bound
+    assert excess.max() <= 1.0, f"off by {excess.max():.1f}x the bound"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (1, 37, 100), (2, 3, 5, 7), (4, 1)])
+def test_rms_norm_equals_mlx_fast_rms_norm(dtype, shape):
+    x = random(shape, FLOATS[dtype]) * 3
+    weight = (random((shape[-1],)) * 0.5 + 1).astype(FLOATS[dtype])
+    result = K.rms_norm(x, weight, eps=1e-5)
+    assert result.dtype == x.dtype and result.shape == x.shape
+    assert_within(result, mx.fast.rms_norm(x, weight, 1e-5), 64)
+
+
+def test_rms_norm_against_the_formula_and_with_a_float32_weight():
+    x = random((3, 70), mx.float16)
+    weight = random((70,))
+    result = K.rms_norm(x, weight, eps=1e-6)
+    assert result.dtype == mx.float32  # promoted, as mx.fast.rms_norm
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
+    expected = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * np.array(weight)
+    assert np.allclose(np.array(result), expected, rtol=1e-5, atol=1e-6)
+
+
+def rope_periods(dims: int, base: float) -> mx.array:
+    return mx.array((base ** (np.arange(0, dims, 2) / dims)).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims, head_dim", [(64, 64), (32, 64), (6, 10)])
+@pytest.mark.parametrize("offset", [0, 1000, [3, 70, 0]])
+def test_rope_equals_mlx_fast_rope(dtype, traditional, dims, head_dim, offset):
+    # (3, L, H, D) transposed to (3, H, L, D): the layout the attention layer hands over
+    x = random((3, 5, 4, head_dim), FLOATS[dtype]).transpose(0, 2, 1, 3)
+    freqs, offset = rope_periods(dims, 10000.0), mx.array(offset)
+    result = K.rope(x, offset, freqs, dims=dims, traditional=traditional, scale=0.5)
+    reference = mx.fast.rope(x, dims, traditional=traditional, base=None, scale=0.5, offset=offset, freqs=freqs)
+    assert result.dtype == x.dtype and result.shape == x.shape
+    # A rotation keeps each pair's length: errors scale with it, not with the (possibly
+    # cancelled) output. The angles reach 500 radians: sin and cos of a float32 angle
+    # differ by a few ulps of it.
+    pair_length = np.linalg.norm(np.array(x.astype(mx.float32)), axis=-1, keepdims=True)
+    assert_within(result, reference, 4096, pair_length)
+
+
+def test_rope_against_the_rotation_formula():
+    """Rotate-half RoPE from its definition, in float64: pair (i, i + d/2) turned by
+    position * scale / period_i."""
+    x = random((2, 3, 4, 8))
+    periods = np.array([1.0, 10.0, 100.0, 1000.0])
+    result = np.array(K.rope(x, mx.array([5, 9]), mx.array(periods.astype(np.float32)), dims=8, traditional=False,
+                             scale=1.0))
+    x64 = np.array(x).astype(np.float64)
+    positions = np.array([5, 9])[:, None, None, None] + np.arange(4)[None, None, :, None]  # (B, 1, L, 1)
+    angle = positions / periods  # (B, 1, L, 4)
+    first, second = x64[..., :4], x64[..., 4:]
+    expected = np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                               first * np.sin(angle) + second * np.cos(angle)], axis=-1)
+    assert np.allclose(result, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (16, 1, 1536), (1, 181, 1536), (3, 7)])
+def test_silu_mul_equals_mlx_ops(dtype, shape):
+    gate, up = random(shape, FLOATS[dtype]) * 4, random(shape, FLOATS[dtype])
+    result = K.silu_mul(gate, up)
+    assert result.dtype == gate.dtype and result.shape == gate.shape
+    # against float64 (MLX's own float32 sigmoid is off by up to ~15 ulps here)
+    g64, u64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (gate, up))
+    assert_within(result, g64 * u64 / (1 + np.exp(-g64)), 8)
+
+
+def test_silu_mul_at_the_ends_of_float32():
+    gate = mx.array([-1e4, -100.0, -88.5, -20.0, -1e-6, 0.0, 1e-6, 20.0, 88.5, 100.0, 1e4])
+    up = mx.full(gate.shape, 1.5)
+    result, reference = np.array(K.silu_mul(gate, up)), np.array(gate * mx.sigmoid(gate) * up)
+    assert np.isfinite(result).all()
+    assert np.allclose(result, reference, rtol=1e-6, atol=1e-30)
+
+
+def test_pointwise_gradients_are_mlx_s():
+    x, weight = random((2, 3, 40)), random((40,))
+    got = mx.grad(lambda a, w: (K.rms_norm(a, w, eps=1e-5) ** 2).sum(), argnums=(0, 1))(x, weight)
+    want = mx.grad(lambda a, w: (mx.fast.rms_norm(a, w, 1e-5) ** 2).sum(), argnums=(0, 1))(x, weight)
+    for g, r in zip(got, want):
+        assert np.allclose(np.array(g), np.array(r), atol=1e-5)
+    q, freqs, offset = random((2, 2, 3, 8)), rope_periods(8, 100.0), mx.array([1, 4])
+    got = mx.grad(lambda a: (K.rope(a, offset, freqs, dims=8, traditional=False, scale=1.0) * q).sum())(q)
+    want = mx.grad(lambda a: (mx.fast.rope(a, 8, traditional=False, base=None, scale=1.0, offset=offset,
+                                           freqs=freqs) * q).sum())(q)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    gate, up = random((3, 50)), random((3, 50))
+    got = mx.grad(lambda g, u: (K.silu_mul(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    want = mx.grad(lambda g, u: ((g * mx.sigmoid(g) * u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    for g, r in zip(got, want):
+        assert np.allclose(np.array(g), np.array(r), atol=1e-4)
+
+
 # -- bad arguments -------------------------------------------------------------------------
 
 
@@ -288,6 +398,14 @@ def test_a_product_behind_dequantize_stays_differentiable():
     (lambda: K.quantized_matvec(random((1, 60)), *quantized(8, 64, 32, 4), group_size=32, bits=4), "last axis must match"),
     (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=64, bits=4), "scales and biases must be"),
     (lambda: K.quantized_rows(random((2,)), *quantized(8, 64, 32, 4), group_size=32, bits=4), "ids must be integers"),
+    (lambda: K.rms_norm(random((2, 5)), random((6,)), eps=1e-5), "rms_norm needs x"),
+    (lambda: K.rope(random((2, 5, 8)), mx.array(0), rope_periods(8, 1e4), dims=8, traditional=False, scale=1.0),
+     "rope needs x"),
+    (lambda: K.rope(random((2, 1, 5, 8)), mx.array(0), rope_periods(6, 1e4), dims=8, traditional=False, scale=1.0),
+     "float32 freqs"),
+    (lambda: K.rope(random((2, 1, 5, 8)), mx.array([1, 2, 3]), rope_periods(8, 1e4), dims=8, traditional=False,
+                    scale=1.0), "one per row"),
+    (lambda: K.silu_mul(random((2, 5)), random((2, 6))), "gate and up of one shape"),
 ])
 def test_bad_arguments_are_one_line_errors(call, message):
     with pytest.raises(ValueError, match=message):
@@ -313,6 +431,10 @@ for name, dtype in (("f32", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat
 q, k, v = mx.random.normal((1, 6, 1, 70)), mx.random.normal((1, 2, 40, 70)), mx.random.normal((1, 2, 40, 70))
 ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
 errors["attention"] = float(mx.abs(K.one_query_attention(q, k, v, scale=0.1) - ref).max())
+g, u = mx.random.normal((5, 333)) * 4, mx.random.normal((5, 333))
+errors["silu_mul"] = float(mx.abs(K.silu_mul(g, u) - g * mx.sigmoid(g) * u).max())
+w = mx.random.normal((333,))
+errors["rms_norm"] = float(mx.abs(K.rms_norm(g, w, eps=1e-5) - mx.fast.rms_norm(g, w, 1e-5)).max())
 print(json.dumps({"isa": K.isa(), "errors": errors}))
 """
 

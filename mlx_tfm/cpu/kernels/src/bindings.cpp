@@ -32,6 +32,12 @@ NB_MODULE(_kernels, m) {
   m.def("one_query_attention", &k::one_query_attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(),
         "scale"_a, "stream"_a = nb::none(),
         "Attention of queries (B, H, 1, D) over keys, values (B, H_kv, S, D), every position visible.");
+  m.def("rms_norm", &k::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "stream"_a = nb::none(),
+        "mx.fast.rms_norm(x, weight, eps) in one pass.");
+  m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,
+        "stream"_a = nb::none(), "mx.fast.rope with freqs for x (B, H, L, D), offset one integer or one per row.");
+  m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up in float32.");
   m.def("isa", [] { return std::string(k::best_kernels().name); }, "The instruction set in use.");
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);

@@ -64,6 +64,11 @@ struct Kernels {
   // Rows [n0, n1) of a quantized product's w dequantized into out (n, k) float32 (the
   // product's x, sums, m and y are not read).
   void (*dequantize_rows)(const QuantizedProduct&, float* out, int64_t n0, int64_t n1);
+  // out (n) = silu(gate) * up, float32.
+  void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+  // Rows [r0, r1) of x (rows, d) RMS-normalized, times weight (d,) unless it is null.
+  void (*rms_norm_rows)(const float* x, const float* weight, float eps, int64_t d, float* out, int64_t r0,
+                        int64_t r1);
 };
 
 namespace avx512 { const Kernels& kernels(); }

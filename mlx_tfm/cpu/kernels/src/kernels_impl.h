@@ -312,8 +312,63 @@ inline void dequantize_rows(const QuantizedProduct& p, float* out, int64_t n0, i
   else by_scale(std::integral_constant<int, 8>{});
 }
 
+// e^v for every lane, within 2 ulp over float32's range: v = n ln2 + r, |r| <= ln2 / 2
+// (ln2 in two parts, so r keeps its low bits), e^r by a degree-7 polynomial (Cephes'
+// coefficients), times 2^n. Inputs are clamped where e^v leaves float32's normal range.
+inline F exp_lanes(F v) {
+  v = clamp(v, -87.33654f, 88.0f);
+  const F n = round_nearest(mul(v, set1(1.44269504088896341f)));
+  F r = fma(n, set1(-0.693359375f), v);
+  r = fma(n, set1(2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  return times_power_of_two(p, n);
+}
+
+// out = silu(gate) * up = gate * up / (1 + e^-gate), float32, n values.
+inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const F g = load(gate + i);
+    const F e = exp_lanes(mul(g, set1(-1.0f)));
+    store(out + i, div(mul(g, load(up + i)), add(e, set1(1.0f))));
+  }
+  for (; i < n; ++i) out[i] = gate[i] * up[i] / (1.0f + ::expf(-gate[i]));
+}
+
+// Rows [r0, r1) of x (rows, d), float32: x / sqrt(mean(x^2) + eps), times weight (d,) when
+// given, as MLX's rms_norm rounds in float32: (x * r) * w.
+inline void rms_norm_rows(const float* x, const float* weight, float eps, int64_t d, float* out, int64_t r0,
+                          int64_t r1) {
+  for (int64_t row = r0; row < r1; ++row) {
+    const float* xr = x + row * d;
+    float* o = out + row * d;
+    F acc = zero();
+    int64_t j = 0;
+    for (; j + LANES <= d; j += LANES) acc = fma(load(xr + j), load(xr + j), acc);
+    float squares = hsum(acc);
+    for (; j < d; ++j) squares += xr[j] * xr[j];
+    const float r = 1.0f / ::sqrtf(squares / static_cast<float>(d) + eps);
+    const F rv = set1(r);
+    j = 0;
+    if (weight) {
+      for (; j + LANES <= d; j += LANES) store(o + j, mul(mul(load(xr + j), rv), load(weight + j)));
+      for (; j < d; ++j) o[j] = (xr[j] * r) * weight[j];
+    } else {
+      for (; j + LANES <= d; j += LANES) store(o + j, mul(load(xr + j), rv));
+      for (; j < d; ++j) o[j] = xr[j] * r;
+    }
+  }
+}
+
 const Kernels& kernels() {
-  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads, dequantize_rows};
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads, dequantize_rows,
+                           silu_mul, rms_norm_rows};
   return set;
 }
 

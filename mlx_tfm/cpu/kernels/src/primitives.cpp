@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "mlx/allocator.h"
+#include "mlx/fast.h"
+#include "mlx/transforms.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
 
@@ -60,7 +62,7 @@ float real_at(const uint8_t* bytes, Real type, size_t i) {
 // Buffers a computation reuses from call to call on its thread (an MLX stream's): decoding
 // makes hundreds of calls a step, and fresh allocations of these sizes cost more than
 // the small products themselves.
-enum Scratch { X32, X_PERMUTED, X_SUMS, RESULT, SCRATCH_COUNT };
+enum Scratch { X32, X_PERMUTED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
 
 float* scratch(Scratch which, size_t count) {
   thread_local std::vector<float> buffers[SCRATCH_COUNT];
@@ -69,13 +71,11 @@ float* scratch(Scratch which, size_t count) {
   return buffer.data();
 }
 
-// x (any layout, float32 / float16 / bfloat16) as float32, row-major, in scratch X32.
-float* float32_copy(const mx::array& x) {
-  float* out = scratch(X32, x.size());
-  if (x.dtype() == mx::float32 && x.flags().row_contiguous) {
-    std::memcpy(out, x.data<float>(), x.size() * 4);
-    return out;
-  }
+// x (any layout, float32 / float16 / bfloat16) as float32, row-major: its own memory when
+// it is that already, else a copy in scratch `which`.
+const float* as_float32(const mx::array& x, Scratch which = X32) {
+  if (x.dtype() == mx::float32 && x.flags().row_contiguous) return x.data<float>();
+  float* out = scratch(which, x.size());
   std::vector<uint8_t> bytes_scratch;
   const uint8_t* bytes = contiguous_bytes(x, bytes_scratch);
   const Real type = real_of(x.dtype());
@@ -120,7 +120,7 @@ void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
 
 void float_product(const mx::array& x, const mx::array& w, mx::array& out) {
   const int64_t n = w.shape(0), k = w.shape(1), m = x.size() / k;
-  const float* x32 = float32_copy(x);
+  const float* x32 = as_float32(x);
   std::vector<uint8_t> w_scratch;
   float* y = result_buffer(out);
   const FloatProduct p{contiguous_bytes(w, w_scratch), real_of(w.dtype()), n, k, x32, m, y};
@@ -133,7 +133,7 @@ void quantized_product(const mx::array& x, const mx::array& w, const mx::array& 
                        const mx::array& biases, int group_size, int bits, mx::array& out) {
   const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = x.size() / k, groups = k / group_size;
   const Kernels& kernels = best_kernels();
-  const float* x32 = float32_copy(x);
+  const float* x32 = as_float32(x);
   float* sums = scratch(X_SUMS, m * groups);
   for (int64_t i = 0; i < m * groups; ++i) {
     float total = 0.0f;
@@ -212,7 +212,7 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
                          mx::array& out) {
   const int64_t batch = queries.shape(0), heads = queries.shape(1), head_dim = queries.shape(3);
   const int64_t kv_heads = keys.shape(1), positions = keys.shape(2);
-  const float* q = float32_copy(queries);
+  const float* q = as_float32(queries);
   // Each position's values must be contiguous; a cache's keys and values are, whatever
   // their other strides (a slice of a larger buffer).
   std::vector<uint8_t> k_scratch, v_scratch;
@@ -238,6 +238,86 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
     else kernels.attention_heads(p, 0, pairs, scores.data());
   });
   store(p.out, out);
+}
+
+// Rounds v to T's precision and back (what an MLX op with a T output keeps).
+template <class T>
+float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+void rms_normalized(const mx::array& x, const mx::array& weight, float eps, mx::array& out) {
+  const int64_t d = x.shape(-1), rows = static_cast<int64_t>(x.size()) / d;
+  const float* x32 = as_float32(x);
+  const float* w32 = as_float32(weight, WEIGHT);
+  const Kernels& kernels = best_kernels();
+  if (out.dtype() == mx::float32) {
+    kernels.rms_norm_rows(x32, w32, eps, d, out.data<float>(), 0, rows);
+    return;
+  }
+  // Half precision: MLX rounds the normalized values to the output's type, then multiplies
+  // by the weight in that type.
+  float* normalized = scratch(RESULT, x.size());
+  kernels.rms_norm_rows(x32, nullptr, eps, d, normalized, 0, rows);
+  auto finish = [&](auto* dst, auto cast) {
+    for (int64_t i = 0; i < rows * d; ++i) dst[i] = cast(cast(normalized[i]) * cast(w32[i % d]));
+  };
+  if (out.dtype() == mx::float16)
+    finish(out.data<mx::float16_t>(), [](float v) { return static_cast<float>(static_cast<mx::float16_t>(v)); });
+  else
+    finish(out.data<mx::bfloat16_t>(), [](float v) { return static_cast<float>(static_cast<mx::bfloat16_t>(v)); });
+}
+
+void rotated(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims, bool traditional,
+             float scale, mx::array& out) {
+  const int64_t batch = x.shape(0), heads = x.shape(1), length = x.shape(2), d = x.shape(3), half = dims / 2;
+  std::vector<uint8_t> o_scratch, f_scratch;
+  const uint8_t* offsets = contiguous_bytes(offset, o_scratch);
+  const float* periods = reinterpret_cast<const float*>(contiguous_bytes(freqs, f_scratch));
+  const auto* x_bytes = static_cast<const uint8_t*>(x.data<void>());
+  const Real type = real_of(x.dtype());
+  const auto& st = x.strides();
+  float* y = result_buffer(out);  // (B, H, L, D) row-major
+  std::vector<float> cosines(half), sines(half), row(d);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first = id_at(offsets, offset.dtype(), offset.size() == 1 ? 0 : b);
+    for (int64_t l = 0; l < length; ++l) {
+      const float position = scale * static_cast<float>(first + l);
+      for (int64_t i = 0; i < half; ++i) {
+        const float theta = position * (1.0f / periods[i]);
+        cosines[i] = std::cos(theta);
+        sines[i] = std::sin(theta);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t base = b * st[0] + h * st[1] + l * st[2];
+        for (int64_t j = 0; j < d; ++j) row[j] = real_at(x_bytes, type, base + j * st[3]);
+        float* o = y + ((b * heads + h) * length + l) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+          o[a] = row[a] * cosines[i] - row[c] * sines[i];
+          o[c] = row[a] * sines[i] + row[c] * cosines[i];
+        }
+        for (int64_t j = dims; j < d; ++j) o[j] = row[j];
+      }
+    }
+  }
+  store(y, out);
+}
+
+void silu_multiplied(const mx::array& gate, const mx::array& up, mx::array& out) {
+  const int64_t n = gate.size();
+  const float* g = as_float32(gate);
+  const float* u = as_float32(up, SECOND);
+  float* y = result_buffer(out);
+  const Kernels& kernels = best_kernels();
+  // Pieces of at least 16K values: a decoding step's few thousand stay on this thread.
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
+  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  parallel_for(tasks, [&](int64_t t) {
+    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
+    if (i0 < i1) kernels.silu_mul(g + i0, u + i0, y + i0, i1 - i0);
+  });
+  store(y, out);
 }
 
 // -- checks a caller's arguments get -----------------------------------------------------
@@ -330,6 +410,50 @@ mx::array one_query_attention(const mx::array& queries, const mx::array& keys, c
                    {queries, keys, values});
 }
 
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("mlx_tfm kernels: rms_norm needs x (..., d) and weight (d,)");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [eps, stream](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps, stream)};
+  };
+  return mx::array(x.shape(), mx::promote_types(x.dtype(), weight.dtype()),
+                   std::make_shared<RMSNorm>(stream, reference, eps), {x, weight});
+}
+
+mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims, bool traditional,
+               float scale, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  if (x.ndim() != 4 || dims < 2 || dims % 2 || dims > x.shape(3))
+    throw std::invalid_argument("mlx_tfm kernels: rope needs x (B, H, L, D) and an even dims <= D");
+  if (freqs.dtype() != mx::float32 || freqs.ndim() != 1 || freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("mlx_tfm kernels: rope needs float32 freqs (dims / 2,)");
+  if (!mx::issubdtype(offset.dtype(), mx::integer) || offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))))
+    throw std::invalid_argument("mlx_tfm kernels: rope's offset must be one integer or one per row (B,)");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [dims, traditional, scale, stream](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{mx::fast::rope(in[0], dims, traditional, std::nullopt, scale, in[1], in[2], stream)};
+  };
+  return mx::array(x.shape(), x.dtype(), std::make_shared<RoPE>(stream, reference, dims, traditional, scale),
+                   {x, offset, freqs});
+}
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  check_float(gate, "gate");
+  check_float(up, "up");
+  if (gate.shape() != up.shape()) throw std::invalid_argument("mlx_tfm kernels: silu_mul needs gate and up of one shape");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [stream](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{
+        mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0], stream), stream), in[1], stream)};
+  };
+  return mx::array(gate.shape(), mx::promote_types(gate.dtype(), up.dtype()),
+                   std::make_shared<SiluMul>(stream, reference), {gate, up});
+}
+
 // -- primitives ---------------------------------------------------------------------------
 
 namespace {
@@ -396,6 +520,59 @@ void OneQueryAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) { cp
 
 bool OneQueryAttention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == static_cast<const OneQueryAttention&>(other).scale_;
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const float eps = eps_;
+  dispatch(stream(), inputs, out, [eps](const std::vector<mx::array>& in, mx::array& o) {
+    rms_normalized(in[0], in[1], eps, o);
+  });
+}
+
+bool RMSNorm::is_equivalent(const mx::Primitive& other) const { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
+
+void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int dims = dims_;
+  const bool traditional = traditional_;
+  const float scale = scale_;
+  dispatch(stream(), inputs, out, [dims, traditional, scale](const std::vector<mx::array>& in, mx::array& o) {
+    rotated(in[0], in[1], in[2], dims, traditional, scale, o);
+  });
+}
+
+bool RoPE::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RoPE&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+}
+
+void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { silu_multiplied(in[0], in[1], o); });
+}
+
+void Pointwise::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
+
+// The gradient of the MLX ops the primitive stands for, with respect to its float inputs
+// (a RoPE's integer offsets get zeros).
+std::vector<mx::array> Pointwise::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                      const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  std::vector<int> floats;
+  for (int arg : argnums)
+    if (mx::issubdtype(primals[arg].dtype(), mx::floating)) floats.push_back(arg);
+  std::vector<mx::array> chosen;
+  for (int arg : floats) chosen.push_back(primals[arg]);
+  auto of_chosen = [&](const std::vector<mx::array>& values) {
+    std::vector<mx::array> all = primals;
+    for (size_t i = 0; i < floats.size(); ++i) all[floats[i]] = values[i];
+    return reference_(all);
+  };
+  std::vector<mx::array> float_grads = chosen.empty() ? chosen : mx::vjp(of_chosen, chosen, cotangents).second;
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    auto found = std::find(floats.begin(), floats.end(), arg);
+    grads.push_back(found == floats.end() ? mx::zeros_like(primals[arg], stream())
+                                          : float_grads[found - floats.begin()]);
+  }
+  return grads;
 }
 
 void MatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }

@@ -1,6 +1,8 @@
 // The kernels as MLX operations: lazy arrays in the graph, computed on a CPU stream.
 #pragma once
 
+#include <functional>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -31,6 +33,66 @@ mx::array one_query_attention(const mx::array& queries, const mx::array& keys, c
 // products then run as float32 BLAS.
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                      int bits, mx::StreamOrDevice s = {});
+
+// x (..., d) / sqrt(mean(x^2) + eps) * weight (d,), as mx.fast.rms_norm: in float32,
+// rounded to the output's type before the weight multiplies.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
+
+// mx.fast.rope with ``freqs`` (dims / 2 periods) for x (B, H, L, D) of any layout:
+// position offset + l (offset a scalar or one per row, (B,)), angle scale * position / freq.
+mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims, bool traditional,
+               float scale, mx::StreamOrDevice s = {});
+
+// silu(gate) * up, elementwise (SwiGLU's activation), computed in float32.
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+// The pointwise primitives: one output shaped like the first input, gradients through
+// MLX's own ops (the `reference` each was built with).
+class Pointwise : public mx::UnaryPrimitive {
+ public:
+  using Reference = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+  Pointwise(mx::Stream stream, Reference reference) : mx::UnaryPrimitive(stream), reference_(std::move(reference)) {}
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  Reference reference_;
+};
+
+class RMSNorm : public Pointwise {
+ public:
+  RMSNorm(mx::Stream stream, Reference reference, float eps) : Pointwise(stream, std::move(reference)), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+};
+
+class RoPE : public Pointwise {
+ public:
+  RoPE(mx::Stream stream, Reference reference, int dims, bool traditional, float scale)
+      : Pointwise(stream, std::move(reference)), dims_(dims), traditional_(traditional), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+class SiluMul : public Pointwise {
+ public:
+  SiluMul(mx::Stream stream, Reference reference) : Pointwise(stream, std::move(reference)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmSiluMul"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
 
 class Dequantize : public mx::UnaryPrimitive {
  public:

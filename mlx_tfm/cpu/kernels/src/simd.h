@@ -56,6 +56,14 @@ inline void lookup_nibbles(const uint8_t* p, F table, F& low, F& high) {
   low = _mm512_permutexvar_ps(bytes, table);
   high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
+
+// Elementwise helpers for the pointwise kernels (RMSNorm, SwiGLU).
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F clamp(F v, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(v, set1(lo)), set1(hi)); }
+inline F round_nearest(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// v * 2^n for whole-number n.
+inline F times_power_of_two(F v, F n) { return _mm512_scalef_ps(v, n); }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
 #elif defined(MLX_TFM_ISA_AVX2)
@@ -93,6 +101,17 @@ inline void load_nibbles(const uint8_t* p, F& low, F& high) {
   __m256i mask = _mm256_set1_epi32(0x0F);
   low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
   high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
+
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+inline F clamp(F v, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(v, set1(lo)), set1(hi)); }
+inline F round_nearest(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// v * 2^n for whole-number n in the normal range (exp's reduction keeps it there): n is
+// added to v's exponent bits.
+inline F times_power_of_two(F v, F n) {
+  __m256i shift = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(v), shift));
 }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
@@ -153,6 +172,27 @@ inline void load_nibbles(const uint8_t* p, F& low, F& high) {
     low.v[i] = static_cast<float>(p[i] & 0x0F);
     high.v[i] = static_cast<float>(p[i] >> 4);
   }
+}
+
+inline F mul(F a, F b) {
+  for (int i = 0; i < LANES; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline F div(F a, F b) {
+  for (int i = 0; i < LANES; ++i) a.v[i] /= b.v[i];
+  return a;
+}
+inline F clamp(F a, float lo, float hi) {
+  for (int i = 0; i < LANES; ++i) a.v[i] = a.v[i] < lo ? lo : (a.v[i] > hi ? hi : a.v[i]);
+  return a;
+}
+inline F round_nearest(F a) {
+  for (int i = 0; i < LANES; ++i) a.v[i] = __builtin_nearbyintf(a.v[i]);
+  return a;
+}
+inline F times_power_of_two(F a, F n) {
+  for (int i = 0; i < LANES; ++i) a.v[i] = __builtin_ldexpf(a.v[i], static_cast<int>(n.v[i]));
+  return a;
 }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
