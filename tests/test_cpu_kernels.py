@@ -217,6 +217,17 @@ def test_one_query_attention_equals_mlx_sdpa(dtype, batch, heads, kv_heads, posi
     assert_close(result, reference, mx.broadcast_to(mx.abs(v32).max(), reference.shape), positions + head_dim)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (12, 2), (7, 1)])
+def test_one_query_attention_with_peaked_weights(heads, kv_heads):
+    """Large queries: most weights are below float32's normal range (flushed to 0 by the
+    kernel), a few carry the mass; head groups of 1, 6 and 7 (blocks of 4 query heads)."""
+    queries = random((2, heads, 1, 64)) * 30
+    keys, values = random((2, kv_heads, 300, 64)), random((2, kv_heads, 300, 64))
+    result = K.one_query_attention(queries, keys, values, scale=0.125)
+    reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
+    assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 364)
+
+
 def test_one_query_attention_reads_values_with_any_strides():
     queries, keys = random((1, 4, 1, 16)), random((1, 2, 50, 16))
     values = random((1, 2, 16, 50)).swapaxes(2, 3)  # the head axis is not contiguous

@@ -59,8 +59,9 @@ struct Kernels {
   int lanes;
   void (*float_rows)(const FloatProduct&, int64_t n0, int64_t n1);
   void (*quantized_rows)(const QuantizedProduct&, int64_t n0, int64_t n1);
-  // (batch, head) pairs [i0, i1) of an attention problem; scores: room for S floats.
-  void (*attention_heads)(const AttentionProblem&, int64_t i0, int64_t i1, float* scores);
+  // (batch, KV head) pairs [i0, i1) of an attention problem, each with its H / H_kv query
+  // heads; scores: room for (H / H_kv) * S floats.
+  void (*attention_groups)(const AttentionProblem&, int64_t i0, int64_t i1, float* scores);
   // Rows [n0, n1) of a quantized product's w dequantized into out (n, k) float32 (the
   // product's x, sums, m and y are not read).
   void (*dequantize_rows)(const QuantizedProduct&, float* out, int64_t n0, int64_t n1);

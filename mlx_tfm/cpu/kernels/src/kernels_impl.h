@@ -237,35 +237,123 @@ inline void add_scaled_row(float* out, float weight, const void* row, int64_t d)
   for (; j < d; ++j) out[j] += weight * scalar_real<R>(row, j);
 }
 
-template <Real R>
-void attention_heads_of(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
-  const int64_t d = p.head_dim, group = p.heads / p.kv_heads;
-  const int64_t item = R == Real::F32 ? 4 : 2;
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / p.heads, h = i % p.heads, kvh = h / group;
-    const float* q = p.q + i * d;
-    const auto* keys = static_cast<const uint8_t*>(p.keys) + item * (b * p.key_strides[0] + kvh * p.key_strides[1]);
-    const auto* values = static_cast<const uint8_t*>(p.values) + item * (b * p.value_strides[0] + kvh * p.value_strides[1]);
-    float top = -INFINITY;
-    for (int64_t s = 0; s < p.positions; ++s) {
-      scores[s] = p.scale * dot_row<R>(q, keys + item * s * p.key_strides[2], d);
-      top = scores[s] > top ? scores[s] : top;
+// e^v for every lane, within 2 ulp over float32's range: v = n ln2 + r, |r| <= ln2 / 2
+// (ln2 in two parts, so r keeps its low bits), e^r by a degree-7 polynomial (Cephes'
+// coefficients), times 2^n. Inputs are clamped where e^v leaves float32's normal range.
+inline F exp_lanes(F v) {
+  v = clamp(v, -87.33654f, 88.0f);
+  const F n = round_nearest(mul(v, set1(1.44269504088896341f)));
+  F r = fma(n, set1(-0.693359375f), v);
+  r = fma(n, set1(2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  return times_power_of_two(p, n);
+}
+
+// e^(v[i] - shift) into v, n values; returns their sum.
+inline float exp_shifted_sum(float* v, int64_t n, float shift) {
+  const F minus = set1(-shift);
+  F total = zero();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const F e = exp_lanes(add(load(v + i), minus));
+    store(v + i, e);
+    total = add(total, e);
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) sum += (v[i] = ::expf(v[i] - shift));
+  return sum;
+}
+
+// out (H, d) = weights (H, positions) @ the value rows, for H <= HEAD_BLOCK query heads: a
+// value row's CHUNK columns at a time, every head's sums for them in registers, so each
+// row is loaded once per chunk and nothing is stored until the end.
+constexpr int HEAD_BLOCK = 4;
+constexpr int CHUNK = 64;
+
+template <Real R, int H>
+void weighted_values(const float* weights, int64_t positions, const uint8_t* values, int64_t value_bytes, int64_t d,
+                     float* out) {
+  constexpr int CV = CHUNK / LANES;
+  int64_t c0 = 0;
+  for (; c0 + CHUNK <= d; c0 += CHUNK) {
+    F acc[H][CV];
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < CV; ++c) acc[h][c] = zero();
+    for (int64_t s = 0; s < positions; ++s) {
+      const uint8_t* row = values + s * value_bytes;
+      F v[CV];
+      for (int c = 0; c < CV; ++c) v[c] = load_real<R>(row, c0 + c * LANES);
+      for (int h = 0; h < H; ++h) {
+        const F w = set1(weights[h * positions + s]);
+        for (int c = 0; c < CV; ++c) acc[h][c] = fma(w, v[c], acc[h][c]);
+      }
     }
-    float total = 0.0f;
-    for (int64_t s = 0; s < p.positions; ++s) total += (scores[s] = ::expf(scores[s] - top));
-    float* out = p.out + i * d;
-    for (int64_t j = 0; j < d; ++j) out[j] = 0.0f;
-    for (int64_t s = 0; s < p.positions; ++s) add_scaled_row<R>(out, scores[s], values + item * s * p.value_strides[2], d);
-    const float inverse = 1.0f / total;
-    for (int64_t j = 0; j < d; ++j) out[j] *= inverse;
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < CV; ++c) store(out + h * d + c0 + c * LANES, acc[h][c]);
+  }
+  if (c0 == d) return;
+  for (int h = 0; h < H; ++h)
+    for (int64_t j = c0; j < d; ++j) out[h * d + j] = 0.0f;
+  for (int64_t s = 0; s < positions; ++s) {
+    const uint8_t* row = values + s * value_bytes;
+    for (int h = 0; h < H; ++h) {
+      const float w = weights[h * positions + s];
+      for (int64_t j = c0; j < d; ++j) out[h * d + j] += w * scalar_real<R>(row, j);
+    }
   }
 }
 
-inline void attention_heads(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+// (batch, KV head) pairs [i0, i1): the group of query heads that share a KV head go
+// through its keys and values together, so each cached row is read from memory once for
+// all of them (then from L1), not once per query head.
+template <Real R>
+void attention_groups_of(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+  const int64_t d = p.head_dim, group = p.heads / p.kv_heads, positions = p.positions;
+  const int64_t item = R == Real::F32 ? 4 : 2;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / p.kv_heads, kvh = i % p.kv_heads;
+    const float* q = p.q + (b * p.heads + kvh * group) * d;  // the group's query heads, (group, d)
+    const auto* keys = static_cast<const uint8_t*>(p.keys) + item * (b * p.key_strides[0] + kvh * p.key_strides[1]);
+    const auto* values = static_cast<const uint8_t*>(p.values) + item * (b * p.value_strides[0] + kvh * p.value_strides[1]);
+    for (int64_t s = 0; s < positions; ++s) {
+      const void* key = keys + item * s * p.key_strides[2];
+      for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = p.scale * dot_row<R>(q + g * d, key, d);
+    }
+    float* out = p.out + (b * p.heads + kvh * group) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores + g * positions;
+      float top = -INFINITY;
+      for (int64_t s = 0; s < positions; ++s) top = row[s] > top ? row[s] : top;
+      const float total = exp_shifted_sum(row, positions, top);
+      const float inverse = 1.0f / total;
+      // Weights too small to matter become 0, not subnormals (each multiply-add with a
+      // subnormal takes a slow microcode path): peaked attention has many.
+      for (int64_t s = 0; s < positions; ++s) row[s] = row[s] * inverse < 1e-30f ? 0.0f : row[s] * inverse;
+    }
+    for (int64_t g = 0; g < group; g += HEAD_BLOCK) {
+      const int64_t value_bytes = item * p.value_strides[2];
+      const float* weights = scores + g * positions;
+      switch (group - g < HEAD_BLOCK ? group - g : HEAD_BLOCK) {
+        case 1: weighted_values<R, 1>(weights, positions, values, value_bytes, d, out + g * d); break;
+        case 2: weighted_values<R, 2>(weights, positions, values, value_bytes, d, out + g * d); break;
+        case 3: weighted_values<R, 3>(weights, positions, values, value_bytes, d, out + g * d); break;
+        default: weighted_values<R, 4>(weights, positions, values, value_bytes, d, out + g * d); break;
+      }
+    }
+  }
+}
+
+inline void attention_groups(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
   switch (p.kv_type) {
-    case Real::F32: attention_heads_of<Real::F32>(p, i0, i1, scores); break;
-    case Real::F16: attention_heads_of<Real::F16>(p, i0, i1, scores); break;
-    case Real::BF16: attention_heads_of<Real::BF16>(p, i0, i1, scores); break;
+    case Real::F32: attention_groups_of<Real::F32>(p, i0, i1, scores); break;
+    case Real::F16: attention_groups_of<Real::F16>(p, i0, i1, scores); break;
+    case Real::BF16: attention_groups_of<Real::BF16>(p, i0, i1, scores); break;
   }
 }
 
@@ -312,24 +400,6 @@ inline void dequantize_rows(const QuantizedProduct& p, float* out, int64_t n0, i
   else by_scale(std::integral_constant<int, 8>{});
 }
 
-// e^v for every lane, within 2 ulp over float32's range: v = n ln2 + r, |r| <= ln2 / 2
-// (ln2 in two parts, so r keeps its low bits), e^r by a degree-7 polynomial (Cephes'
-// coefficients), times 2^n. Inputs are clamped where e^v leaves float32's normal range.
-inline F exp_lanes(F v) {
-  v = clamp(v, -87.33654f, 88.0f);
-  const F n = round_nearest(mul(v, set1(1.44269504088896341f)));
-  F r = fma(n, set1(-0.693359375f), v);
-  r = fma(n, set1(2.12194440e-4f), r);
-  F p = set1(1.9875691500e-4f);
-  p = fma(p, r, set1(1.3981999507e-3f));
-  p = fma(p, r, set1(8.3334519073e-3f));
-  p = fma(p, r, set1(4.1665795894e-2f));
-  p = fma(p, r, set1(1.6666665459e-1f));
-  p = fma(p, r, set1(5.0000001201e-1f));
-  p = fma(p, mul(r, r), add(r, set1(1.0f)));
-  return times_power_of_two(p, n);
-}
-
 // out = silu(gate) * up = gate * up / (1 + e^-gate), float32, n values.
 inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
@@ -367,7 +437,7 @@ inline void rms_norm_rows(const float* x, const float* weight, float eps, int64_
 }
 
 const Kernels& kernels() {
-  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_heads, dequantize_rows,
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_groups, dequantize_rows,
                            silu_mul, rms_norm_rows};
   return set;
 }

@@ -230,12 +230,12 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
   p.keys = rows_of(keys, k_scratch, p.key_strides);
   p.values = rows_of(values, v_scratch, p.value_strides);
   const Kernels& kernels = best_kernels();
-  const int64_t pairs = batch * heads;
-  const bool worth_threads = pairs * positions * head_dim >= (64 << 10);
+  const int64_t pairs = batch * kv_heads;
+  const bool worth_threads = batch * heads * positions * head_dim >= (64 << 10);
   parallel_for(worth_threads ? pairs : 1, [&](int64_t t) {
-    std::vector<float> scores(positions);
-    if (worth_threads) kernels.attention_heads(p, t, t + 1, scores.data());
-    else kernels.attention_heads(p, 0, pairs, scores.data());
+    std::vector<float> scores(heads / kv_heads * positions);
+    if (worth_threads) kernels.attention_groups(p, t, t + 1, scores.data());
+    else kernels.attention_groups(p, 0, pairs, scores.data());
   });
   store(p.out, out);
 }
