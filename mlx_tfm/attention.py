@@ -106,7 +106,7 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
             raise ValueError("attention sinks with soft-capped scores are not supported")
         return softcapped_attention(queries, keys, values, scale, mask, softcap)
     if on_cpu() and kernel_takes_one_query(queries, mask, sinks):
-        return one_query_attention(queries, keys, values, scale)
+        return one_query_attention(queries, keys, values, scale, mask)
     if on_cpu() and queries.shape[2] > QUERY_BLOCK:
         return attention_by_query_blocks(queries, keys, values, scale, mask, QUERY_BLOCK, sinks)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

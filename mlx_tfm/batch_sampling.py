@@ -27,6 +27,7 @@ class RowSettings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
 
 
 class BatchSettings:
@@ -42,6 +43,21 @@ class BatchSettings:
         self.filters = (any(r.top_k > 0 for r in sampled), any(0 < r.top_p < 1 for r in sampled),
                         any(r.min_p > 0 for r in sampled))
         self.any_sampled = bool(sampled)
+        # every row's logit bias as one scatter-add: (row, token id, bias) triples
+        triples = [(b, token, bias) for b, r in enumerate(rows) for token, bias in r.logit_bias]
+        self.bias = None
+        if triples:
+            rows_of, ids, values = zip(*triples)
+            self.bias = (mx.array(rows_of, mx.int32), mx.array(ids, mx.int32), mx.array(values, mx.float32))
+
+
+def add_logit_bias(logits: mx.array, settings: BatchSettings) -> mx.array:
+    """Logits (B, V) with each row's logit bias added (one operation for the batch, so a
+    biased row needs no per-row processing)."""
+    if settings.bias is None:
+        return logits
+    rows, ids, values = settings.bias
+    return logits.at[rows, ids].add(values.astype(logits.dtype))
 
 
 def apply_top_k_rows(logprobs: mx.array, top_ks: mx.array) -> mx.array:
@@ -94,4 +110,4 @@ def top_logprobs(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
 
 
-__all__ = ["RowSettings", "BatchSettings", "sample_rows", "top_logprobs", "apply_top_k_rows"]
+__all__ = ["RowSettings", "BatchSettings", "add_logit_bias", "sample_rows", "top_logprobs", "apply_top_k_rows"]

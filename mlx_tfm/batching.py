@@ -42,7 +42,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .batch_cache import BatchKVCache, empty_batch, layer_windows, single_row_caches
-from .batch_sampling import BatchSettings, RowSettings, sample_rows, top_logprobs
+from .batch_sampling import BatchSettings, RowSettings, add_logit_bias, sample_rows, top_logprobs
 from .errors import UserError
 from .generate import TextPieces, check_vocabulary, context_room, encode_prompt
 from .prompt_cache import TokenCache
@@ -333,11 +333,13 @@ class Engine:
         make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)  # checks the settings
         room = context_room(self.model, self._empty_caches, len(prompt))
         row.max_tokens = request.max_tokens if room is None else min(request.max_tokens, room)
-        row.settings = RowSettings(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
+        bias = tuple(sorted((sampling.logit_bias or {}).items()))
+        if bias and not all(0 <= token < self.model.args.vocab_size for token, _ in bias):
+            raise UserError(f"logit_bias names token ids outside the model's vocabulary of {self.model.args.vocab_size}")
+        row.settings = RowSettings(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p, bias)
         seed = sampling.seed if sampling.seed is not None else self._entropy.getrandbits(63)
         row.key = mx.random.key(seed)
-        row.processors = make_logits_processors(sampling.repetition_penalty, sampling.repetition_context_size,
-                                                sampling.logit_bias)
+        row.processors = make_logits_processors(sampling.repetition_penalty, sampling.repetition_context_size)
         if sampling.presence_penalty or sampling.frequency_penalty:
             row.processors.append(make_presence_frequency_penalty(
                 sampling.presence_penalty, sampling.frequency_penalty, len(prompt)))
@@ -441,7 +443,7 @@ class Engine:
             logits = self.model(self._inputs(rows, previous), cache=self._decode_cache)[:, -1, :]  # (B, V)
             for row in rows:
                 row.fed += 1
-            logits = self._process(rows, logits)
+            logits = self._process(rows, add_logit_bias(logits, self._settings))
             log_norm = mx.logsumexp(logits, axis=-1)  # (B,)
             logprobs = logits - log_norm[:, None]
             tokens, keys = sample_rows(logprobs, self._settings, self._keys)

@@ -23,7 +23,7 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.model import Model, ModelArgs
 from mlx_tfm.prompt_cache import TokenCache
 from mlx_tfm.prompt_cache_pool import PromptCachePool
-from mlx_tfm.sample import make_presence_frequency_penalty
+from mlx_tfm.sample import make_logits_processors, make_presence_frequency_penalty
 
 PROMPTS = [
     "Once upon a time", "The cat", "Lily and Tom went to the park. They", "One day", "Tom had a big red ball.",
@@ -420,6 +420,35 @@ def test_penalties_and_logit_bias_per_row(stories, golden):
     assert collector.tokens("rep") != plain and collector.tokens("pf") != plain
     assert collector.tokens("bias")[0] != banned
     assert len(set(collector.tokens("pf"))) > len(set(plain))
+
+
+def test_logit_bias_rows_equal_each_alone(stories, golden):
+    """Rows with their own logit biases (boosts, bans, none) in one batch: each row's tokens
+    are stream_generate's alone with the same bias as a logits processor."""
+    model, tokenizer = stories
+    plain = golden["generated_ids"][:30]
+    biases = [{plain[0]: float("-inf")}, {plain[2]: 5.0, plain[3]: -3.0}, {}, {100: 2.5, 7: -1.0}]
+    engine = Engine(model, tokenizer)
+    collector = Collector()
+    for i, bias in enumerate(biases):
+        engine.submit(Request([1], 30, SamplingParams(logit_bias=bias or None)), collector(str(i)))
+    run_until_done(engine)
+    for i, bias in enumerate(biases):
+        expected, _, _ = reference_tokens(model, tokenizer, [1], 30, logits_processors=make_logits_processors(logit_bias=bias))
+        assert collector.tokens(str(i)) == expected, f"row {i}"
+    assert collector.tokens("2") == plain
+
+
+def test_logit_bias_outside_the_vocabulary_is_the_request_s_error(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer)
+    collector = Collector()
+    engine.submit(Request([1], 5, SamplingParams(logit_bias={model.args.vocab_size: 1.0})), collector("bad"))
+    engine.submit(Request([1], 5), collector("good"))
+    run_until_done(engine)
+    assert collector.events["bad"][-1].finish_reason == "error"
+    assert "logit_bias" in collector.events["bad"][-1].error
+    assert len(collector.tokens("good")) == 5
 
 
 def test_presence_frequency_penalty_against_numpy():

@@ -228,6 +228,20 @@ def test_one_query_attention_with_peaked_weights(heads, kv_heads):
     assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 364)
 
 
+@pytest.mark.parametrize("mask_rows", [3, 1])
+def test_one_query_attention_with_a_row_mask(mask_rows):
+    """Rows that start at different slots (a batch of decoding streams): each attends to
+    its own positions only; a row that sees nothing gives zeros."""
+    queries, keys, values = random((3, 6, 1, 32)), random((3, 2, 40, 32)), random((3, 2, 40, 32))
+    starts = mx.array([0, 17, 39][:mask_rows])[:, None, None, None]
+    mask = mx.arange(40)[None, None, None, :] >= starts  # (rows, 1, 1, 40)
+    result = K.one_query_attention(queries, keys, values, scale=0.2, mask=mask)
+    reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.2, mask=mask)
+    assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 72)
+    blind = K.one_query_attention(queries, keys, values, scale=0.2, mask=mx.zeros((1, 1, 1, 40), mx.bool_))
+    assert not np.array(blind).any()
+
+
 def test_one_query_attention_reads_values_with_any_strides():
     queries, keys = random((1, 4, 1, 16)), random((1, 2, 50, 16))
     values = random((1, 2, 16, 50)).swapaxes(2, 3)  # the head axis is not contiguous
@@ -417,6 +431,8 @@ def test_pointwise_gradients_are_mlx_s():
     (lambda: K.rope(random((2, 1, 5, 8)), mx.array([1, 2, 3]), rope_periods(8, 1e4), dims=8, traditional=False,
                     scale=1.0), "one per row"),
     (lambda: K.silu_mul(random((2, 5)), random((2, 6))), "gate and up of one shape"),
+    (lambda: K.one_query_attention(random((2, 4, 1, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0,
+                                   mask=mx.ones((2, 1, 1, 5))), "mask must be boolean"),
 ])
 def test_bad_arguments_are_one_line_errors(call, message):
     with pytest.raises(ValueError, match=message):

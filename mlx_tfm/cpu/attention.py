@@ -40,13 +40,22 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
 
 
 def kernel_takes_one_query(queries, mask, sinks=None) -> bool:
-    """Whether a decoding step's attention (one query, every cached position visible: no
-    mask, or "causal", which for one query at the end is the same) goes through mlx_tfm's
-    kernel: one call per layer instead of MLX's chain of ops over OpenBLAS."""
-    return (kernels() is not None and queries.shape[2] == 1 and sinks is None
-            and (mask is None or isinstance(mask, str)))
+    """Whether a decoding step's attention goes through mlx_tfm's kernel (one call per
+    layer instead of MLX's chain of ops over OpenBLAS): one query, and every cached
+    position visible (no mask, or "causal", which for one query at the end is the same) or
+    a boolean mask per row (B or 1, 1, 1, S): a batch whose rows start at different slots."""
+    if kernels() is None or queries.shape[2] != 1 or sinks is not None:
+        return False
+    return mask is None or isinstance(mask, str) or row_mask(mask) is not None
 
 
-def one_query_attention(queries, keys, values, scale: float) -> mx.array:
+def row_mask(mask) -> mx.array | None:
+    """``mask`` when it is a boolean (B or 1, 1, 1, S) array, else None."""
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1:3] == (1, 1):
+        return mask
+    return None
+
+
+def one_query_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
     """(B, n_heads, 1, head_dim) over keys, values (B, n_kv_heads, S, head_dim)."""
-    return kernels().one_query_attention(queries, keys, values, scale=scale)
+    return kernels().one_query_attention(queries, keys, values, scale=scale, mask=row_mask(mask))

@@ -1,6 +1,7 @@
 // The Python module mlx_tfm.cpu.kernels._kernels (nanobind, in MLX's nanobind domain so
 // that mx.array passes through as MLX's own bindings define it).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
@@ -30,8 +31,9 @@ NB_MODULE(_kernels, m) {
   m.def("dequantize", &k::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "stream"_a = nb::none(), "dequantize(w, scales, biases) as float32 (n, k), on every core.");
   m.def("one_query_attention", &k::one_query_attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(),
-        "scale"_a, "stream"_a = nb::none(),
-        "Attention of queries (B, H, 1, D) over keys, values (B, H_kv, S, D), every position visible.");
+        "scale"_a, "mask"_a = nb::none(), "stream"_a = nb::none(),
+        "Attention of queries (B, H, 1, D) over keys, values (B, H_kv, S, D): every position visible, or those "
+        "a boolean mask (B or 1, 1, 1, S) allows.");
   m.def("rms_norm", &k::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "stream"_a = nb::none(),
         "mx.fast.rms_norm(x, weight, eps) in one pass.");
   m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,

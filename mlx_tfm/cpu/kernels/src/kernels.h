@@ -51,6 +51,10 @@ struct AttentionProblem {
   int64_t key_strides[3], value_strides[3];
   float scale;
   float* out;
+  // Which positions each row may attend to (a batch of rows that start at different
+  // slots): mask[b * mask_row_stride + s] nonzero; null: every position.
+  const uint8_t* mask = nullptr;
+  int64_t mask_row_stride = 0;
 };
 
 // One instruction set's kernels: each computes the outputs of rows [n0, n1) of w.

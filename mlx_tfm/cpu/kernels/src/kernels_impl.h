@@ -321,8 +321,13 @@ void attention_groups_of(const AttentionProblem& p, int64_t i0, int64_t i1, floa
     const float* q = p.q + (b * p.heads + kvh * group) * d;  // the group's query heads, (group, d)
     const auto* keys = static_cast<const uint8_t*>(p.keys) + item * (b * p.key_strides[0] + kvh * p.key_strides[1]);
     const auto* values = static_cast<const uint8_t*>(p.values) + item * (b * p.value_strides[0] + kvh * p.value_strides[1]);
+    const uint8_t* visible = p.mask ? p.mask + b * p.mask_row_stride : nullptr;
     for (int64_t s = 0; s < positions; ++s) {
       const void* key = keys + item * s * p.key_strides[2];
+      if (visible && !visible[s]) {
+        for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = -INFINITY;
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = p.scale * dot_row<R>(q + g * d, key, d);
     }
     float* out = p.out + (b * p.heads + kvh * group) * d;
@@ -330,6 +335,10 @@ void attention_groups_of(const AttentionProblem& p, int64_t i0, int64_t i1, floa
       float* row = scores + g * positions;
       float top = -INFINITY;
       for (int64_t s = 0; s < positions; ++s) top = row[s] > top ? row[s] : top;
+      if (top == -INFINITY) {  // nothing visible: an output of zeros
+        for (int64_t s = 0; s < positions; ++s) row[s] = 0.0f;
+        continue;
+      }
       const float total = exp_shifted_sum(row, positions, top);
       const float inverse = 1.0f / total;
       // Weights too small to matter become 0, not subnormals (each multiply-add with a

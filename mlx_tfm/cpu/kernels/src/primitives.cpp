@@ -209,7 +209,7 @@ void dequantized_rows(const mx::array& ids, const mx::array& w, const mx::array&
 }
 
 void one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
-                         mx::array& out) {
+                         const mx::array* mask, mx::array& out) {
   const int64_t batch = queries.shape(0), heads = queries.shape(1), head_dim = queries.shape(3);
   const int64_t kv_heads = keys.shape(1), positions = keys.shape(2);
   const float* q = as_float32(queries);
@@ -229,6 +229,11 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
                      {}, {}, scale, result_buffer(out)};
   p.keys = rows_of(keys, k_scratch, p.key_strides);
   p.values = rows_of(values, v_scratch, p.value_strides);
+  std::vector<uint8_t> m_scratch;
+  if (mask) {  // (B or 1, 1, 1, S) booleans, one byte each
+    p.mask = contiguous_bytes(*mask, m_scratch);
+    p.mask_row_stride = mask->shape(0) == 1 ? 0 : positions;
+  }
   const Kernels& kernels = best_kernels();
   const int64_t pairs = batch * kv_heads;
   const bool worth_threads = batch * heads * positions * head_dim >= (64 << 10);
@@ -398,7 +403,7 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
 }
 
 mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
-                              float scale, mx::StreamOrDevice s) {
+                              float scale, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
   for (const auto* a : {&queries, &keys, &values}) check_float(*a, "queries, keys and values");
   if (queries.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || queries.shape(2) != 1 ||
       queries.shape(0) != keys.shape(0) || queries.shape(3) != keys.shape(3) || keys.shape(1) == 0 ||
@@ -406,8 +411,13 @@ mx::array one_query_attention(const mx::array& queries, const mx::array& keys, c
     throw std::invalid_argument(
         "mlx_tfm kernels: attention needs queries (B, H, 1, D) and keys, values (B, H_kv, S, D) of one dtype, "
         "H a multiple of H_kv");
+  if (mask && (mask->dtype() != mx::bool_ || mask->ndim() != 4 || mask->shape(1) != 1 || mask->shape(2) != 1 ||
+               mask->shape(3) != keys.shape(2) || (mask->shape(0) != 1 && mask->shape(0) != keys.shape(0))))
+    throw std::invalid_argument("mlx_tfm kernels: attention's mask must be boolean (B or 1, 1, 1, S)");
+  std::vector<mx::array> inputs{queries, keys, values};
+  if (mask) inputs.push_back(*mask);
   return mx::array(queries.shape(), queries.dtype(), std::make_shared<OneQueryAttention>(cpu_stream(s), scale),
-                   {queries, keys, values});
+                   std::move(inputs));
 }
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
@@ -512,7 +522,7 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
 void OneQueryAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const float scale = scale_;
   dispatch(stream(), inputs, out, [scale](const std::vector<mx::array>& in, mx::array& o) {
-    one_query_attention(in[0], in[1], in[2], scale, o);
+    one_query_attention(in[0], in[1], in[2], scale, in.size() > 3 ? &in[3] : nullptr, o);
   });
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -25,9 +26,11 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
                          mx::StreamOrDevice s = {});
 
 // Attention of one query position: queries (B, H, 1, D) over keys and values
-// (B, H_kv, S, D), H a multiple of H_kv (GQA), every position visible (a decoding step).
+// (B, H_kv, S, D), H a multiple of H_kv (GQA): every position visible (a decoding step), or
+// those a boolean mask (B or 1, 1, 1, S) allows (rows of a batch that start at different slots).
 mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
-                              float scale, mx::StreamOrDevice s = {});
+                              float scale, const std::optional<mx::array>& mask = std::nullopt,
+                              mx::StreamOrDevice s = {});
 
 // dequantize(w, scales, biases) as float32 (n, k), on every core: a prompt's quantized
 // products then run as float32 BLAS.
