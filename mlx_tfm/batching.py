@@ -47,7 +47,7 @@ from .errors import UserError
 from .generate import TextPieces, check_vocabulary, context_room, encode_prompt
 from .prompt_cache import TokenCache
 from .prompt_cache_pool import PromptCachePool
-from .sample import make_logits_processors, make_presence_frequency_penalty, make_sampler
+from .sample import log_normalizer, make_logits_processors, make_presence_frequency_penalty, make_sampler
 
 log = logging.getLogger("mlx_tfm.engine")
 
@@ -444,7 +444,7 @@ class Engine:
             for row in rows:
                 row.fed += 1
             logits = self._process(rows, add_logit_bias(logits, self._settings))
-            log_norm = mx.logsumexp(logits, axis=-1)  # (B,)
+            log_norm = log_normalizer(logits)[:, 0]  # (B,)
             logprobs = logits - log_norm[:, None]
             tokens, keys = sample_rows(logprobs, self._settings, self._keys)
             chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .cache import DEFAULT_QUANTIZED_KV_START, KVQuantization, RotatingKVCache, check_quantizable, quantized_layers
 from .errors import UserError
-from .sample import LogitsProcessor, Sampler, greedy
+from .sample import LogitsProcessor, Sampler, greedy, log_normalizer
 from .text_to_text import decoder_for_prompt
 from .tokenizer import Tokenizer
 
@@ -151,7 +151,7 @@ def make_step(model, cache: list, sampler: Sampler, logits_processors: list[Logi
     logits)``, chosen once: without processors no token history is kept at all."""
 
     def sample(logits: mx.array):
-        log_norm = mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, 1)
+        log_norm = log_normalizer(logits)  # (1, 1)
         logprobs = logits - log_norm
         return sampler(logprobs), logprobs[0], log_norm
 

@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from .cache import KVQuantization, quantized_layers
 from .errors import UserError
+from .sample import log_normalizer
 
 LOGITS_PER_CHUNK = 1 << 23  # float32 logits computed at once (32 MB): a 49152-token head takes ~170 positions
 DEFAULT_SEED = 123  # mlx_lm.perplexity's
@@ -99,7 +100,7 @@ def token_losses(model, inputs: mx.array, targets: mx.array, cache: list | None 
     for start in range(0, L, chunk):
         logits = model.head(hidden[:, start : start + chunk]).astype(mx.float32)  # (B, chunk, V)
         picked = mx.take_along_axis(logits, targets[:, start : start + chunk, None], axis=-1)[..., 0]
-        losses.append(mx.logsumexp(logits, axis=-1) - picked)
+        losses.append(log_normalizer(logits)[..., 0] - picked)
     return mx.concatenate(losses, axis=1)
 
 

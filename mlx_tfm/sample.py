@@ -26,6 +26,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .cpu import pointwise as cpu_pointwise
 from .errors import UserError
 
 Sampler = Callable[[mx.array], mx.array]
@@ -34,7 +35,17 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 NEG_INF = float("-inf")
 
 
+def log_normalizer(logits: mx.array) -> mx.array:
+    """log(sum(exp(logits))) over the vocabulary, kept as size 1 (..., 1): logits minus it
+    are log-probabilities. On the CPU, mlx_tfm's kernel (MLX's CPU exp is a scalar loop,
+    slow over a whole vocabulary)."""
+    if cpu_pointwise.in_use():
+        return cpu_pointwise.logsumexp(logits)
+    return mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 # -- filters: logprobs (B, V) -> logprobs with the excluded tokens at -inf ---------------
+
 
 
 def apply_top_k(logprobs: mx.array, k: int) -> mx.array:
@@ -102,7 +113,7 @@ class TemperatureSampler:
         """logprobs (B, V) -> the normalised log-probabilities (B, V) a draw follows (-inf
         where a filter removed the token)."""
         logits = tempered_filtered(logprobs, *self.filters, **self.settings)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return logits - log_normalizer(logits)
 
 
 def tempered_filtered(logprobs: mx.array, top_k: int, use_top_p: bool, use_min_p: bool, inverse_temp: mx.array,

@@ -44,7 +44,7 @@ from .cache import RotatingKVCache
 from .errors import UserError
 from .generate import check_finite, prefill
 from .prompt_cache import TokenCache, common_prefix_length
-from .sample import LogitsProcessor, Sampler, TemperatureSampler, greedy
+from .sample import LogitsProcessor, Sampler, TemperatureSampler, greedy, log_normalizer
 from .tokenizer import Tokenizer
 
 MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
@@ -149,7 +149,7 @@ class DraftModel:
             logits = fit_vocabulary(logits, self.vocab_size)
             for processor in processors:
                 logits = processor(context, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = logits - log_normalizer(logits)
             step_input = sampler(logprobs).astype(mx.int32)  # (1,)
             guesses.append(step_input)
             if isinstance(sampler, TemperatureSampler):
@@ -283,7 +283,7 @@ def verify(model, cache: list, tokens: list[int], guesses, processors: list[Logi
                 row = processor(context[: len(tokens) + i], row)
             rows.append(row)
         logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - log_normalizer(logits)
 
 
 def speculative_generate_step(

@@ -394,6 +394,26 @@ def test_silu_mul_at_the_ends_of_float32():
     assert np.allclose(result, reference, rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 49152), (16, 49152), (2, 3, 1000), (5,)])
+def test_logsumexp_against_float64(dtype, shape):
+    x = random(shape, FLOATS[dtype]) * 8
+    result = K.logsumexp(x)
+    assert result.dtype == x.dtype and result.shape == (*shape[:-1], 1)
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
+    top = x64.max(-1, keepdims=True)
+    expected = top + np.log(np.exp(x64 - top).sum(-1, keepdims=True))
+    # a sum of n terms in float32: n * 2^-24 of the result at worst, far less in practice
+    assert_within(result, expected, 64)
+
+
+def test_logsumexp_of_nan_and_banned_rows():
+    x = mx.array([[1.0, float("nan"), 2.0], [float("-inf")] * 3, [0.0, float("-inf"), 1.0]])
+    result = np.array(K.logsumexp(x))[:, 0]
+    assert np.isnan(result[0]) and result[1] == -np.inf
+    assert abs(result[2] - np.log(1 + np.e)) < 1e-6
+
+
 def test_pointwise_gradients_are_mlx_s():
     x, weight = random((2, 3, 40)), random((40,))
     got = mx.grad(lambda a, w: (K.rms_norm(a, w, eps=1e-5) ** 2).sum(), argnums=(0, 1))(x, weight)
@@ -404,6 +424,10 @@ def test_pointwise_gradients_are_mlx_s():
     got = mx.grad(lambda a: (K.rope(a, offset, freqs, dims=8, traditional=False, scale=1.0) * q).sum())(q)
     want = mx.grad(lambda a: (mx.fast.rope(a, 8, traditional=False, base=None, scale=1.0, offset=offset,
                                            freqs=freqs) * q).sum())(q)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    logits = random((3, 70))
+    got = mx.grad(lambda a: (K.logsumexp(a) ** 2).sum())(logits)
+    want = mx.grad(lambda a: (mx.logsumexp(a, axis=-1, keepdims=True) ** 2).sum())(logits)
     assert np.allclose(np.array(got), np.array(want), atol=1e-5)
     gate, up = random((3, 50)), random((3, 50))
     got = mx.grad(lambda g, u: (K.silu_mul(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
@@ -462,6 +486,7 @@ g, u = mx.random.normal((5, 333)) * 4, mx.random.normal((5, 333))
 errors["silu_mul"] = float(mx.abs(K.silu_mul(g, u) - g * mx.sigmoid(g) * u).max())
 w = mx.random.normal((333,))
 errors["rms_norm"] = float(mx.abs(K.rms_norm(g, w, eps=1e-5) - mx.fast.rms_norm(g, w, 1e-5)).max())
+errors["logsumexp"] = float(mx.abs(K.logsumexp(g) - mx.logsumexp(g, axis=-1, keepdims=True)).max())
 print(json.dumps({"isa": K.isa(), "errors": errors}))
 """
 

@@ -1,5 +1,6 @@
 """A layer's pointwise ops on MLX's CPU backend, one mlx_tfm kernel call each: RMSNorm,
-RoPE and SwiGLU's ``silu(gate) * up``.
+RoPE, SwiGLU's ``silu(gate) * up``, and the log-sum-exp that turns logits into
+log-probabilities.
 
 On the CPU, ``mx.fast.rms_norm`` and ``mx.fast.rope`` are fallbacks: chains of primitive
 ops (a RoPE call computes its angles with eight of them), and MLX's exp is a scalar loop,
@@ -32,6 +33,11 @@ def rope(x: mx.array, offset: int | mx.array, freqs: mx.array, dims: int, tradit
     """``mx.fast.rope(x, dims, ..., base=None, offset=offset, freqs=freqs)`` for x (B, H, L, D);
     ``offset`` one position or one per row (B,)."""
     return kernels().rope(x, mx.array(offset), freqs, dims=dims, traditional=traditional, scale=scale)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """``mx.logsumexp(x, axis=-1, keepdims=True)``."""
+    return kernels().logsumexp(x)
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:

@@ -38,6 +38,8 @@ NB_MODULE(_kernels, m) {
         "mx.fast.rms_norm(x, weight, eps) in one pass.");
   m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,
         "stream"_a = nb::none(), "mx.fast.rope with freqs for x (B, H, L, D), offset one integer or one per row.");
+  m.def("logsumexp", &k::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.logsumexp(x, axis=-1, keepdims=True) in one pass per row.");
   m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up in float32.");
   m.def("isa", [] { return std::string(k::best_kernels().name); }, "The instruction set in use.");

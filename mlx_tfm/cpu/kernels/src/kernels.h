@@ -74,6 +74,8 @@ struct Kernels {
   // Rows [r0, r1) of x (rows, d) RMS-normalized, times weight (d,) unless it is null.
   void (*rms_norm_rows)(const float* x, const float* weight, float eps, int64_t d, float* out, int64_t r0,
                         int64_t r1);
+  // out[r] = log(sum(e^x[r, :])) for rows [r0, r1) of x (rows, n); NaN for a row with a NaN.
+  void (*logsumexp_rows)(const float* x, int64_t n, float* out, int64_t r0, int64_t r1);
 };
 
 namespace avx512 { const Kernels& kernels(); }

@@ -409,6 +409,30 @@ inline void dequantize_rows(const QuantizedProduct& p, float* out, int64_t n0, i
   else by_scale(std::integral_constant<int, 8>{});
 }
 
+// log(sum(e^x)) of n values, shifted by their largest so nothing overflows; NaN when any
+// value is NaN (a broken model is told by its NaN log-sum-exp).
+inline float logsumexp_row(const float* x, int64_t n) {
+  bool nan = false;
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    nan |= x[i] != x[i];
+    top = x[i] > top ? x[i] : top;
+  }
+  if (nan) return NAN;
+  if (top == -INFINITY || top == INFINITY) return top;
+  const F minus = set1(-top);
+  F total = zero();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) total = add(total, exp_lanes(add(load(x + i), minus)));
+  float sum = hsum(total);
+  for (; i < n; ++i) sum += ::expf(x[i] - top);
+  return top + ::logf(sum);
+}
+
+inline void logsumexp_rows(const float* x, int64_t n, float* out, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) out[r] = logsumexp_row(x + r * n, n);
+}
+
 // out = silu(gate) * up = gate * up / (1 + e^-gate), float32, n values.
 inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
@@ -447,7 +471,7 @@ inline void rms_norm_rows(const float* x, const float* weight, float eps, int64_
 
 const Kernels& kernels() {
   static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_groups, dequantize_rows,
-                           silu_mul, rms_norm_rows};
+                           silu_mul, rms_norm_rows, logsumexp_rows};
   return set;
 }
 

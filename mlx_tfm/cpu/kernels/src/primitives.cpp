@@ -309,6 +309,19 @@ void rotated(const mx::array& x, const mx::array& offset, const mx::array& freqs
   store(y, out);
 }
 
+void logsumexp_of_rows(const mx::array& x, mx::array& out) {
+  const int64_t n = x.shape(-1), rows = static_cast<int64_t>(x.size()) / n;
+  const float* x32 = as_float32(x);
+  float* y = result_buffer(out);
+  const Kernels& kernels = best_kernels();
+  // A batch's rows on every core; one row (a single stream's vocabulary) on this thread.
+  parallel_for(rows * n >= (256 << 10) ? rows : 1, [&](int64_t t) {
+    if (rows * n >= (256 << 10)) kernels.logsumexp_rows(x32, n, y, t, t + 1);
+    else kernels.logsumexp_rows(x32, n, y, 0, rows);
+  });
+  store(y, out);
+}
+
 void silu_multiplied(const mx::array& gate, const mx::array& up, mx::array& out) {
   const int64_t n = gate.size();
   const float* g = as_float32(gate);
@@ -451,6 +464,16 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& fre
                    {x, offset, freqs});
 }
 
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("mlx_tfm kernels: logsumexp needs x (..., n), n > 0");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [stream](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{mx::logsumexp(in[0], -1, true, stream)};
+  };
+  return mx::array(with_last(x.shape(), 1), x.dtype(), std::make_shared<LogSumExp>(stream, reference), {x});
+}
+
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
   check_float(gate, "gate");
   check_float(up, "up");
@@ -553,6 +576,14 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 bool RoPE::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const RoPE&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+}
+
+void LogSumExp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { logsumexp_of_rows(in[0], o); });
+}
+
+std::vector<mx::Shape> LogSumExp::output_shapes(const std::vector<mx::array>& inputs) {
+  return {with_last(inputs[0].shape(), 1)};
 }
 
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

@@ -46,6 +46,9 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
 mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims, bool traditional,
                float scale, mx::StreamOrDevice s = {});
 
+// log(sum(exp(x))) over the last axis, kept as size 1 (as mx.logsumexp(x, -1, keepdims=True)).
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s = {});
+
 // silu(gate) * up, elementwise (SwiGLU's activation), computed in float32.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
@@ -87,6 +90,15 @@ class RoPE : public Pointwise {
   int dims_;
   bool traditional_;
   float scale_;
+};
+
+class LogSumExp : public Pointwise {
+ public:
+  LogSumExp(mx::Stream stream, Reference reference) : Pointwise(stream, std::move(reference)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "MlxTfmLogSumExp"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
 };
 
 class SiluMul : public Pointwise {
