@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from .attention import attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
+from .cpu import linear as cpu_linear
 from .cpu import pointwise as cpu_pointwise
 from .experts import SparseMoeBlock, clamped_swiglu
 from .positions import SinusoidalPositions, make_rope, position_ids
@@ -256,6 +257,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(F, D, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gated and self.silu:
+            fused = cpu_linear.fused_products((self.gate_proj, self.up_proj), x, gated=True)
+            if fused:
+                return self.down_proj(fused[0])
         if self.gated and self.silu and cpu_pointwise.in_use():
             return self.down_proj(cpu_pointwise.silu_mul(self.gate_proj(x), self.up_proj(x)))
         if self.gated:
@@ -308,7 +313,8 @@ class Attention(nn.Module):
         if isinstance(cache, CrossAttentionCache):
             return self._cross_attention(x, cache)
         B, L, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        projected = cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x)
+        queries, keys, values = projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if self.clip_qkv is not None:
             queries, keys, values = (mx.clip(t, -self.clip_qkv, self.clip_qkv) for t in (queries, keys, values))
         if self.qk_norm_scope == "projection":

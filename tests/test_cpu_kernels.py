@@ -302,6 +302,59 @@ def test_a_product_behind_dequantize_stays_differentiable():
     assert np.allclose(np.array(mx.grad(through_kernel)(x)), np.array(mx.grad(through_mlx)(x)), atol=1e-4)
 
 
+# -- several products of one input (a layer's q, k, v; its gate and up) ------------------------
+
+
+@pytest.mark.parametrize("w_dtype", FLOATS)
+@pytest.mark.parametrize("m", [1, 5, 15])
+def test_fused_products_equal_each_product(w_dtype, m):
+    x = random((m, 100))
+    weights = [random((n, 100), FLOATS[w_dtype]) for n in (96, 33, 33)]
+    outputs = K.fused_products(x, weights)
+    assert len(outputs) == 3
+    for y, w in zip(outputs, weights):
+        reference = x @ w.astype(mx.float32).T
+        assert y.shape == reference.shape and y.dtype == mx.float32  # x float32 promotes every w
+        assert_close(y, reference, mx.abs(x) @ mx.abs(w.astype(mx.float32)).T, 100)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_fused_quantized_products_equal_each_product(bits, group_size):
+    x = random((3, 1, 256))
+    layers = [quantized(n, 256, group_size, bits) for n in (64, 17, 17)]
+    outputs = K.fused_products(x, [a for layer in layers for a in layer], group_size=group_size, bits=bits)
+    for y, layer in zip(outputs, layers):
+        dense = dequantized(*layer, group_size, bits)
+        assert_close(y, x @ dense.T, mx.abs(x) @ mx.abs(dense).T, 256)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_gated_products_are_silu_of_gate_times_up(bits):
+    x = random((2, 128)) * 0.2
+    if bits:
+        gate, up = quantized(80, 128, 64, bits), quantized(80, 128, 64, bits)
+        arrays, dense = [*gate, *up], (dequantized(*gate, 64, bits), dequantized(*up, 64, bits))
+    else:
+        gate, up = random((80, 128)), random((80, 128))
+        arrays, dense = [gate, up], (gate, up)
+    (result,) = K.fused_products(x, arrays, group_size=64 if bits else 0, bits=bits, gated=True)
+    g64, u64 = (np.array(x).astype(np.float64) @ np.array(w).astype(np.float64).T for w in dense)
+    # the products' float32 rounding, then silu: relative to the terms' magnitude
+    magnitude = np.abs(g64 * u64) + np.abs(np.array(x)) @ np.abs(np.array(dense[0])).T * np.abs(u64)
+    assert_within(result, g64 * u64 / (1 + np.exp(-g64)), 128 * 8, magnitude)
+
+
+def test_fused_products_gradient_is_mlx_s():
+    x, weights = random((2, 48)), [random((20, 48)), random((7, 48))]
+    got = mx.grad(lambda a, w: sum((y ** 2).sum() for y in K.fused_products(a, [w, weights[1]])), argnums=(0, 1))(
+        x, weights[0])
+    want = mx.grad(lambda a, w: ((a @ w.T) ** 2).sum() + ((a @ weights[1].T) ** 2).sum(), argnums=(0, 1))(
+        x, weights[0])
+    for g, r in zip(got, want):
+        assert np.allclose(np.array(g), np.array(r), atol=1e-3, rtol=1e-5)
+
+
 # -- pointwise ops: RMSNorm, RoPE, silu(gate) * up -------------------------------------------
 
 
@@ -455,6 +508,9 @@ def test_pointwise_gradients_are_mlx_s():
     (lambda: K.rope(random((2, 1, 5, 8)), mx.array([1, 2, 3]), rope_periods(8, 1e4), dims=8, traditional=False,
                     scale=1.0), "one per row"),
     (lambda: K.silu_mul(random((2, 5)), random((2, 6))), "gate and up of one shape"),
+    (lambda: K.fused_products(random((2, 5)), [random((3, 5)), random((3, 6))]), "weights \\(n, k\\) of one dtype"),
+    (lambda: K.fused_products(random((2, 5)), [random((3, 5))], gated=True), "two of them when gated"),
+    (lambda: K.fused_products(random((1, 64)), [*quantized(8, 64, 32, 4)], group_size=32, bits=3), "bits must be 4 or 8"),
     (lambda: K.one_query_attention(random((2, 4, 1, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0,
                                    mask=mx.ones((2, 1, 1, 5))), "mask must be boolean"),
 ])

@@ -171,6 +171,36 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     return split_product(x, weight)
 
 
+def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = False) -> list[mx.array] | None:
+    """``[layer(x) for layer in layers]`` in one call of mlx_tfm's kernels (one pass of the
+    thread pool over all their rows, one operation instead of several in the graph), or with
+    ``gated`` (two layers, gate and up) ``[silu(gate(x)) * up(x)]``. None when the layers do
+    not take the kernels' route together: not all this module's float layers, or all its
+    quantized layers of one layout, without biases, for few enough positions."""
+    if not on_cpu() or kernels() is None:
+        return None
+    rows = x.size // x.shape[-1]
+    kind = type(layers[0])
+    if any(type(layer) is not kind or "bias" in layer for layer in layers):
+        return None
+    if kind is Linear:
+        weights = [layer["weight"] for layer in layers]
+        if rows >= DENSE_FROM_ROWS or any(w.dtype != weights[0].dtype for w in weights):
+            return None
+        return kernels().fused_products(x, weights, gated=gated)
+    if kind is QuantizedLinear:
+        first = layers[0]
+        if rows >= QUANTIZED_DENSE_FROM_ROWS or not all(
+                layer.mode == "affine" and kernels_take(layer) and layer.bits == first.bits
+                and layer.group_size == first.group_size and layer["scales"].dtype == first["scales"].dtype
+                for layer in layers):
+            return None
+        arrays = [layer[name] for layer in layers for name in ("weight", "scales", "biases")]
+        outputs = kernels().fused_products(x, arrays, group_size=first.group_size, bits=first.bits, gated=gated)
+        return [y.astype(x.dtype) for y in outputs]
+    return None
+
+
 def same_arrays_as(cls, layer: nn.Module) -> nn.Module:
     """An instance of ``cls`` (a CPU-route subclass of ``type(layer)``) holding ``layer``'s
     arrays and settings, without quantizing or initialising anything anew."""

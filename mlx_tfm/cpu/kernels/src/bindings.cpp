@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
@@ -38,6 +39,10 @@ NB_MODULE(_kernels, m) {
         "mx.fast.rms_norm(x, weight, eps) in one pass.");
   m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,
         "stream"_a = nb::none(), "mx.fast.rope with freqs for x (B, H, L, D), offset one integer or one per row.");
+  m.def("fused_products", &k::fused_products, "x"_a, "weights"_a, nb::kw_only(), "group_size"_a = 0, "bits"_a = 0,
+        "gated"_a = false, "stream"_a = nb::none(),
+        "[x @ w.T for each weight] in one call (weights, or (w, scales, biases) triples when bits is 4 or 8); "
+        "gated: silu(x @ gate.T) * (x @ up.T).");
   m.def("logsumexp", &k::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.logsumexp(x, axis=-1, keepdims=True) in one pass per row.");
   m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),

@@ -309,6 +309,59 @@ void rotated(const mx::array& x, const mx::array& offset, const mx::array& freqs
   store(y, out);
 }
 
+// Each product's float32 results into ys[i]; gated: silu(ys[0]) * ys[1] into `gated_out`.
+void products_of_one_input(const std::vector<mx::array>& in, int group_size, int bits, float* const* ys) {
+  const mx::array& x = in[0];
+  const bool quantized = bits != 0;
+  const int per_weight = quantized ? 3 : 1;
+  const size_t count = (in.size() - 1) / per_weight;
+  const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
+  const Kernels& kernels = best_kernels();
+  const float* x32 = as_float32(x);
+  const float* x_read = x32;
+  float* sums = nullptr;
+  if (quantized) {
+    const int64_t groups = k / group_size;
+    sums = scratch(X_SUMS, m * groups);
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float total = 0.0f;
+      for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
+      sums[i] = total;
+    }
+    if (bits == 4) {
+      float* permuted = scratch(X_PERMUTED, m * k);
+      for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
+      x_read = permuted;
+    }
+  }
+  std::vector<std::vector<uint8_t>> copies(count * per_weight);
+  std::vector<FloatProduct> floats;
+  std::vector<QuantizedProduct> quants;
+  std::vector<int64_t> first_row{0};  // where each weight's rows start among all of them
+  for (size_t i = 0; i < count; ++i) {
+    const mx::array& w = in[1 + per_weight * i];
+    const int64_t n = w.shape(0);
+    if (quantized) {
+      const mx::array &scales = in[2 + 3 * i], &biases = in[3 + 3 * i];
+      quants.push_back({contiguous_bytes(w, copies[3 * i]), bits, group_size, n, k,
+                        contiguous_bytes(scales, copies[3 * i + 1]), contiguous_bytes(biases, copies[3 * i + 2]),
+                        real_of(scales.dtype()), x_read, sums, m, ys[i]});
+    } else {
+      floats.push_back({contiguous_bytes(w, copies[i]), real_of(w.dtype()), n, k, x32, m, ys[i]});
+    }
+    first_row.push_back(first_row.back() + n);
+  }
+  const int64_t row_bytes = quantized ? k * bits / 8 : k * in[1].itemsize();
+  over_rows(first_row.back(), row_bytes, [&](int64_t g0, int64_t g1) {
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t lo = std::max(g0, first_row[i]) - first_row[i], hi = std::min(g1, first_row[i + 1]) - first_row[i];
+      if (lo >= hi) continue;
+      if (quantized) kernels.quantized_rows(quants[i], lo, hi);
+      else kernels.float_rows(floats[i], lo, hi);
+    }
+  });
+}
+
 void logsumexp_of_rows(const mx::array& x, mx::array& out) {
   const int64_t n = x.shape(-1), rows = static_cast<int64_t>(x.size()) / n;
   const float* x32 = as_float32(x);
@@ -464,6 +517,53 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& fre
                    {x, offset, freqs});
 }
 
+std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
+                                      int bits, bool gated, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  const bool quantized = bits != 0;
+  const size_t per_weight = quantized ? 3 : 1;
+  if (weights.empty() || weights.size() % per_weight || (gated && weights.size() != 2 * per_weight))
+    throw std::invalid_argument("mlx_tfm kernels: fused_products needs weights (or weight, scales, biases triples), "
+                                "two of them when gated");
+  const int64_t k = x.ndim() ? x.shape(-1) : 0;
+  std::vector<mx::Shape> shapes;
+  mx::Dtype out_type = x.dtype();
+  for (size_t i = 0; i < weights.size(); i += per_weight) {
+    const mx::array& w = weights[i];
+    if (quantized) {
+      check_quantized(w, weights[i + 1], weights[i + 2], group_size, bits);
+      if (weights[i + 1].dtype() != weights[1].dtype())
+        throw std::invalid_argument("mlx_tfm kernels: fused_products needs one scales dtype");
+      if (w.shape(1) * 32 / bits != k) throw std::invalid_argument("mlx_tfm kernels: x's last axis must match w's width");
+      out_type = mx::promote_types(x.dtype(), weights[i + 1].dtype());
+    } else {
+      check_float(w, "w");
+      if (w.ndim() != 2 || w.shape(1) != k || w.dtype() != weights[0].dtype())
+        throw std::invalid_argument("mlx_tfm kernels: fused_products needs x (..., k) and weights (n, k) of one dtype");
+      out_type = mx::promote_types(x.dtype(), w.dtype());
+    }
+    shapes.push_back(with_last(x.shape(), w.shape(0)));
+  }
+  if (gated && shapes[0] != shapes[1]) throw std::invalid_argument("mlx_tfm kernels: gate and up must have one shape");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [group_size, bits, gated, per_weight, stream](const std::vector<mx::array>& in) {
+    std::vector<mx::array> outs;
+    for (size_t i = 1; i < in.size(); i += per_weight) {
+      outs.push_back(per_weight == 3 ? mx::quantized_matmul(in[0], in[i], in[i + 1], in[i + 2], true, group_size, bits,
+                                                            "affine", stream)
+                                     : mx::matmul(in[0], mx::transpose(in[i], stream), stream));
+    }
+    if (gated) return std::vector<mx::array>{
+        mx::multiply(mx::multiply(outs[0], mx::sigmoid(outs[0], stream), stream), outs[1], stream)};
+    return outs;
+  };
+  std::vector<mx::array> inputs{x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  if (gated) shapes.resize(1);
+  auto primitive = std::make_shared<FusedProducts>(stream, reference, group_size, bits, gated);
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), out_type), primitive, inputs);
+}
+
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s) {
   check_float(x, "x");
   if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("mlx_tfm kernels: logsumexp needs x (..., n), n > 0");
@@ -590,12 +690,60 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { silu_multiplied(in[0], in[1], o); });
 }
 
+void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) encoder.set_output_array(out);
+  std::vector<mx::array> held, outs;
+  for (const auto& in : inputs) held.push_back(mx::array::unsafe_weak_copy(in));
+  for (const auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
+  const int group_size = group_size_, bits = bits_;
+  const bool gated = gated_;
+  encoder.dispatch([held = std::move(held), outs = std::move(outs), group_size, bits, gated]() mutable {
+    const int per_weight = bits ? 3 : 1;
+    const size_t count = (held.size() - 1) / per_weight;
+    std::vector<std::vector<float>> buffers(count);
+    std::vector<float*> ys(count);
+    for (size_t i = 0; i < count; ++i) {
+      if (!gated && outs[i].dtype() == mx::float32) {
+        ys[i] = outs[i].data<float>();
+      } else {
+        buffers[i].resize(outs[gated ? 0 : i].size());
+        ys[i] = buffers[i].data();
+      }
+    }
+    products_of_one_input(held, group_size, bits, ys.data());
+    if (gated) {
+      float* y = result_buffer(outs[0]);
+      best_kernels().silu_mul(ys[0], ys[1], y, outs[0].size());
+      store(y, outs[0]);
+      return;
+    }
+    for (size_t i = 0; i < count; ++i)
+      if (outs[i].dtype() != mx::float32) store(ys[i], outs[i]);
+  });
+}
+
+void FusedProducts::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) { cpu_only(); }
+
+bool FusedProducts::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const FusedProducts&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_;
+}
+
 void Pointwise::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
 
 // The gradient of the MLX ops the primitive stands for, with respect to its float inputs
 // (a RoPE's integer offsets get zeros).
 std::vector<mx::array> Pointwise::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                                       const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  return reference_vjp(reference_, primals, cotangents, argnums, stream());
+}
+
+std::vector<mx::array> reference_vjp(const Reference& reference, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                     mx::Stream stream) {
   std::vector<int> floats;
   for (int arg : argnums)
     if (mx::issubdtype(primals[arg].dtype(), mx::floating)) floats.push_back(arg);
@@ -604,13 +752,13 @@ std::vector<mx::array> Pointwise::vjp(const std::vector<mx::array>& primals, con
   auto of_chosen = [&](const std::vector<mx::array>& values) {
     std::vector<mx::array> all = primals;
     for (size_t i = 0; i < floats.size(); ++i) all[floats[i]] = values[i];
-    return reference_(all);
+    return reference(all);
   };
   std::vector<mx::array> float_grads = chosen.empty() ? chosen : mx::vjp(of_chosen, chosen, cotangents).second;
   std::vector<mx::array> grads;
   for (int arg : argnums) {
     auto found = std::find(floats.begin(), floats.end(), arg);
-    grads.push_back(found == floats.end() ? mx::zeros_like(primals[arg], stream())
+    grads.push_back(found == floats.end() ? mx::zeros_like(primals[arg], stream)
                                           : float_grads[found - floats.begin()]);
   }
   return grads;

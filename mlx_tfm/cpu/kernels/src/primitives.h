@@ -52,11 +52,43 @@ mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s = {});
 // silu(gate) * up, elementwise (SwiGLU's activation), computed in float32.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// The products x (..., k) @ w_i.T of one x with several weights of one kind, in one call
+// (one pass of the thread pool over all their rows): a layer's query, key and value
+// projections. `weights` holds each w (float), or each (w, scales, biases) (quantized,
+// bits 4 or 8). gated: two weights (gate, up) and one output, silu(x @ gate.T) * (x @ up.T).
+std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
+                                      int bits, bool gated, mx::StreamOrDevice s = {});
+
+// Gradients through MLX's own ops: those of `reference` (the same computation in MLX ops)
+// with respect to the float inputs among argnums; zeros for integer inputs.
+using Reference = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+std::vector<mx::array> reference_vjp(const Reference& reference, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                     mx::Stream stream);
+
+class FusedProducts : public mx::Primitive {
+ public:
+  FusedProducts(mx::Stream stream, Reference reference, int group_size, int bits, bool gated)
+      : mx::Primitive(stream), reference_(std::move(reference)), group_size_(group_size), bits_(bits), gated_(gated) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override {
+    return reference_vjp(reference_, primals, cotangents, argnums, stream());
+  }
+  const char* name() const override { return "MlxTfmFusedProducts"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  Reference reference_;
+  int group_size_, bits_;
+  bool gated_;
+};
+
 // The pointwise primitives: one output shaped like the first input, gradients through
 // MLX's own ops (the `reference` each was built with).
 class Pointwise : public mx::UnaryPrimitive {
  public:
-  using Reference = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
   Pointwise(mx::Stream stream, Reference reference) : mx::UnaryPrimitive(stream), reference_(std::move(reference)) {}
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
