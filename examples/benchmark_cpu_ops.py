@@ -1,0 +1,89 @@
+"""The small operations of a decoding step on MLX's CPU backend, MLX's own against
+mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary and
+one query's attention over the cache, for 1 and 16 rows of the 135M Llama shape
+(examples/llama135m.py).
+
+    python examples/benchmark_cpu_ops.py
+
+Each op runs ``--calls`` times on distinct inputs in one graph (an input plus a small
+offset, so no call reuses another's result and no value drifts into subnormals), minus
+the time of making those inputs; MLX's ops are the ones the model runs where the kernels
+are off (RMSNorm, RoPE and SwiGLU compiled, as mlx_tfm/model.py and positions.py compile
+them). The machine should be otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx_tfm  # noqa: F401  (BLAS routing)
+import mlx.core as mx
+import numpy as np
+
+from mlx_tfm.cpu.kernels import kernels, status
+from mlx_tfm.model import fused_rms_norm, gated_activation
+from mlx_tfm.positions import fused_rope
+from llama135m import LLAMA_135M
+
+HIDDEN, FFN, VOCAB = LLAMA_135M["hidden_size"], LLAMA_135M["intermediate_size"], LLAMA_135M["vocab_size"]
+HEADS, KV_HEADS = LLAMA_135M["num_attention_heads"], LLAMA_135M["num_key_value_heads"]
+HEAD_DIM = HIDDEN // HEADS
+
+
+def per_call_us(op, x: mx.array, calls: int) -> float:
+    """Microseconds per call of ``op`` on ``calls`` distinct inputs made from ``x``."""
+    inputs = lambda: [x + i * 1e-3 for i in range(calls)]  # noqa: E731
+    mx.eval([op(v) for v in inputs()[:3]])
+    start = time.perf_counter()
+    mx.eval(inputs())
+    making = time.perf_counter() - start
+    start = time.perf_counter()
+    mx.eval([op(v) for v in inputs()])
+    return (time.perf_counter() - start - making) / calls * 1e6
+
+
+def ops(rows: int, positions: int):
+    """(name, MLX op, kernel op, input) for ``rows`` decoding rows."""
+    K = kernels()
+    weight = mx.random.normal((HIDDEN,)) * 0.1 + 1
+    periods = mx.array((LLAMA_135M["rope_theta"] ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)).astype(np.float32))
+    offset = mx.arange(rows, dtype=mx.int32) + positions
+    up = mx.random.normal((rows, 1, FFN))
+    keys, values = (mx.random.normal((rows, KV_HEADS, positions, HEAD_DIM)) for _ in range(2))
+    swiglu = gated_activation("silu")
+    scale = HEAD_DIM**-0.5
+    return [
+        ("RMSNorm", lambda x: fused_rms_norm(x, weight, 1e-5), lambda x: K.rms_norm(x, weight, eps=1e-5),
+         mx.random.normal((rows, 1, HIDDEN))),
+        ("RoPE", lambda x: fused_rope(x, periods, offset, HEAD_DIM, False, 1.0),
+         lambda x: K.rope(x, offset, periods, dims=HEAD_DIM, traditional=False, scale=1.0),
+         mx.random.normal((rows, HEADS, 1, HEAD_DIM))),
+        ("silu(gate) * up", lambda x: swiglu(x, up), lambda x: K.silu_mul(x, up), mx.random.normal((rows, 1, FFN))),
+        ("log-sum-exp", lambda x: mx.logsumexp(x, axis=-1, keepdims=True), lambda x: K.logsumexp(x),
+         mx.random.normal((rows, VOCAB))),
+        (f"attention ({positions} positions)",
+         lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+         lambda q: K.one_query_attention(q, keys, values, scale=scale), mx.random.normal((rows, HEADS, 1, HEAD_DIM))),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--positions", type=int, default=170, help="cached positions the attention reads")
+    args = parser.parse_args()
+    if kernels() is None:
+        raise SystemExit(f"error: mlx_tfm's CPU kernels are {status()}")
+    print(f"cpu kernels: {status()}; {args.calls} calls each, microseconds per call\n")
+    print(f"| op | rows | MLX | mlx_tfm kernel | ratio |\n|---|---|---|---|---|")
+    for rows in (1, 16):
+        for name, plain, kernel, x in ops(rows, args.positions):
+            mx.eval(x)
+            a, b = per_call_us(plain, x, args.calls), per_call_us(kernel, x, args.calls)
+            print(f"| {name} | {rows} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    with mx.stream(mx.cpu):
+        main()
