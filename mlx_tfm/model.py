@@ -313,6 +313,33 @@ class Attention(nn.Module):
         if isinstance(cache, CrossAttentionCache):
             return self._cross_attention(x, cache)
         B, L, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        ready = self._decoding_heads(x, offset) if L == 1 else None
+        queries, keys, values = ready or self._heads(x, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
+        # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out)
+
+    def _decoding_heads(self, x: mx.array, offset) -> list[mx.array] | None:
+        """``_heads`` for one position in one call of the CPU kernels (products, layout and
+        RoPE together), where they take it and nothing comes between the products and RoPE
+        (clipping, q/k norms, YaRN's scaling); else None."""
+        if self.clip_qkv is not None or self.qk_norm_scope is not None:
+            return None
+        rope = self.rope
+        if rope is not None and rope.attention_factor != 1.0:
+            return None
+        settings = None if rope is None else (offset, rope.periods, rope.dims, rope.traditional, rope.scale)
+        return cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x,
+                                         heads=(self.n_heads, self.n_kv_heads, self.n_kv_heads), rope=settings)
+
+    def _heads(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values (B, heads, L, head_dim), queries and keys rotated to
+        their positions (from ``offset``)."""
+        B, L, _ = x.shape
         projected = cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x)
         queries, keys, values = projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if self.clip_qkv is not None:
@@ -328,14 +355,8 @@ class Attention(nn.Module):
         # -> (B, heads, L, head_dim), the layout attention and the cache work in
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if self.rope is not None:
-            offset = cache.offset if cache is not None else 0
             queries, keys = self.rope(queries, offset), self.rope(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
-        # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
+        return queries, keys, values
 
     def _cross_attention(self, x: mx.array, cross: CrossAttentionCache) -> mx.array:
         """Queries from the decoder's ``x``, keys and values from the encoder's output,

@@ -106,6 +106,11 @@ class RoPE(nn.Module):
         # The offset goes in as an array so one compiled graph serves every position.
         return fused_rope(x, self._freqs, mx.array(offset), self.dims, self.traditional, self.scale)
 
+    @property
+    def periods(self) -> mx.array:
+        """(dims / 2,) float32: what ``mx.fast.rope`` takes as ``freqs``."""
+        return self._freqs
+
     def _scale_rotated_dims(self, x: mx.array) -> mx.array:
         """YaRN scales cos and sin, so only the ``dims`` rotated dims of each head; scaling
         them before the rotation is the same. Partial rotary's other dims pass unscaled."""

@@ -345,6 +345,32 @@ def test_gated_products_are_silu_of_gate_times_up(bits):
     assert_within(result, g64 * u64 / (1 + np.exp(-g64)), 128 * 8, magnitude)
 
 
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("traditional, dims", [(False, 32), (True, 32), (False, 16)])
+@pytest.mark.parametrize("offset", [7, [3, 90]])
+def test_fused_products_in_heads_with_rope_equal_mlx(bits, traditional, dims, offset):
+    """One position's q, k, v as (B, heads, 1, head_dim), q and k rotated (partial rotary
+    when dims < head_dim): the products, reshaped and transposed, then mx.fast.rope."""
+    x = random((2, 1, 128)) * 0.3
+    shapes, heads = (128, 64, 64), [4, 2, 2]
+    if bits:
+        layers = [quantized(n, 128, 64, bits) for n in shapes]
+        arrays, dense = [a for layer in layers for a in layer], [dequantized(*layer, 64, bits) for layer in layers]
+    else:
+        arrays = dense = [random((n, 128)) for n in shapes]
+    periods, offset = rope_periods(dims, 1000.0), mx.array(offset)
+    outputs = K.fused_products(x, arrays, group_size=64 if bits else 0, bits=bits, heads=heads, offset=offset,
+                               freqs=periods, rope_dims=dims, traditional=traditional, rope_scale=0.5)
+    for i, (y, w, h) in enumerate(zip(outputs, dense, heads)):
+        expected = (x @ w.T).reshape(2, 1, h, 32).transpose(0, 2, 1, 3)  # (B, 1, H * D) -> (B, H, 1, D)
+        if i < 2:
+            expected = mx.fast.rope(expected, dims, traditional=traditional, base=None, scale=0.5, offset=offset,
+                                    freqs=periods)
+        assert y.shape == expected.shape == (2, h, 1, 32)
+        magnitude = np.linalg.norm(np.array(expected), axis=-1, keepdims=True)
+        assert_within(y, expected, 4096, magnitude)
+
+
 def test_fused_products_gradient_is_mlx_s():
     x, weights = random((2, 48)), [random((20, 48)), random((7, 48))]
     got = mx.grad(lambda a, w: sum((y ** 2).sum() for y in K.fused_products(a, [w, weights[1]])), argnums=(0, 1))(
@@ -510,6 +536,9 @@ def test_pointwise_gradients_are_mlx_s():
     (lambda: K.silu_mul(random((2, 5)), random((2, 6))), "gate and up of one shape"),
     (lambda: K.fused_products(random((2, 5)), [random((3, 5)), random((3, 6))]), "weights \\(n, k\\) of one dtype"),
     (lambda: K.fused_products(random((2, 5)), [random((3, 5))], gated=True), "two of them when gated"),
+    (lambda: K.fused_products(random((2, 3, 8)), [random((8, 8))], heads=[2]), "heads needs x \\(B, 1, k\\)"),
+    (lambda: K.fused_products(random((2, 1, 8)), [random((8, 8)), random((4, 8))], heads=[2, 1], offset=mx.array(0),
+                              freqs=rope_periods(6, 1e4), rope_dims=6), "rope needs heads"),
     (lambda: K.fused_products(random((1, 64)), [*quantized(8, 64, 32, 4)], group_size=32, bits=3), "bits must be 4 or 8"),
     (lambda: K.one_query_attention(random((2, 4, 1, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0,
                                    mask=mx.ones((2, 1, 1, 5))), "mask must be boolean"),

@@ -171,14 +171,24 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     return split_product(x, weight)
 
 
-def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = False) -> list[mx.array] | None:
+def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = False,
+                   heads: tuple[int, ...] | None = None, rope: tuple | None = None) -> list[mx.array] | None:
     """``[layer(x) for layer in layers]`` in one call of mlx_tfm's kernels (one pass of the
     thread pool over all their rows, one operation instead of several in the graph), or with
     ``gated`` (two layers, gate and up) ``[silu(gate(x)) * up(x)]``. None when the layers do
     not take the kernels' route together: not all this module's float layers, or all its
-    quantized layers of one layout, without biases, for few enough positions."""
+    quantized layers of one layout, without biases, for few enough positions.
+
+    ``heads`` (one position, x (B, 1, D)): each output as (B, heads, 1, head_dim), the layout
+    attention reads; ``rope`` ``(offset, periods, dims, traditional, scale)`` rotates the
+    first two (queries and keys) as ``mx.fast.rope`` with ``freqs=periods`` would."""
     if not on_cpu() or kernels() is None:
         return None
+    layout = {} if heads is None else {"heads": list(heads)}
+    if rope is not None:
+        offset, periods, dims, traditional, scale = rope
+        layout.update(offset=mx.array(offset), freqs=periods, rope_dims=dims, traditional=traditional,
+                      rope_scale=scale)
     rows = x.size // x.shape[-1]
     kind = type(layers[0])
     if any(type(layer) is not kind or "bias" in layer for layer in layers):
@@ -187,7 +197,7 @@ def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = Fal
         weights = [layer["weight"] for layer in layers]
         if rows >= DENSE_FROM_ROWS or any(w.dtype != weights[0].dtype for w in weights):
             return None
-        return kernels().fused_products(x, weights, gated=gated)
+        return kernels().fused_products(x, weights, gated=gated, **layout)
     if kind is QuantizedLinear:
         first = layers[0]
         if rows >= QUANTIZED_DENSE_FROM_ROWS or not all(
@@ -196,7 +206,8 @@ def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = Fal
                 for layer in layers):
             return None
         arrays = [layer[name] for layer in layers for name in ("weight", "scales", "biases")]
-        outputs = kernels().fused_products(x, arrays, group_size=first.group_size, bits=first.bits, gated=gated)
+        outputs = kernels().fused_products(x, arrays, group_size=first.group_size, bits=first.bits, gated=gated,
+                                           **layout)
         return [y.astype(x.dtype) for y in outputs]
     return None
 

@@ -39,10 +39,21 @@ NB_MODULE(_kernels, m) {
         "mx.fast.rms_norm(x, weight, eps) in one pass.");
   m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,
         "stream"_a = nb::none(), "mx.fast.rope with freqs for x (B, H, L, D), offset one integer or one per row.");
-  m.def("fused_products", &k::fused_products, "x"_a, "weights"_a, nb::kw_only(), "group_size"_a = 0, "bits"_a = 0,
-        "gated"_a = false, "stream"_a = nb::none(),
-        "[x @ w.T for each weight] in one call (weights, or (w, scales, biases) triples when bits is 4 or 8); "
-        "gated: silu(x @ gate.T) * (x @ up.T).");
+  m.def(
+      "fused_products",
+      [](const k::mx::array& x, const std::vector<k::mx::array>& weights, int group_size, int bits, bool gated,
+         const std::vector<int>& heads, const std::optional<k::mx::array>& offset,
+         const std::optional<k::mx::array>& freqs,
+         int rope_dims, bool traditional, float rope_scale, k::mx::StreamOrDevice s) {
+        return k::fused_products(x, weights, group_size, bits, gated, heads, offset, freqs,
+                                 k::RopeSettings{rope_dims, traditional, rope_scale}, s);
+      },
+      "x"_a, "weights"_a, nb::kw_only(), "group_size"_a = 0, "bits"_a = 0, "gated"_a = false,
+      "heads"_a = std::vector<int>{}, "offset"_a = nb::none(), "freqs"_a = nb::none(), "rope_dims"_a = 0,
+      "traditional"_a = false, "rope_scale"_a = 1.0f, "stream"_a = nb::none(),
+      "[x @ w.T for each weight] in one call (weights, or (w, scales, biases) triples when bits is 4 or 8); "
+      "gated: silu(x @ gate.T) * (x @ up.T); heads: outputs (B, heads, 1, D) for x (B, 1, k), the first two "
+      "rotated by RoPE (rope_dims, traditional, rope_scale, freqs periods) at positions offset when rope_dims > 0.");
   m.def("logsumexp", &k::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.logsumexp(x, axis=-1, keepdims=True) in one pass per row.");
   m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),

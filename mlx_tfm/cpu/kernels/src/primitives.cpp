@@ -273,9 +273,41 @@ void rms_normalized(const mx::array& x, const mx::array& weight, float eps, mx::
     finish(out.data<mx::bfloat16_t>(), [](float v) { return static_cast<float>(static_cast<mx::bfloat16_t>(v)); });
 }
 
+// RoPE's angles at one position: cos and sin of position * scale / period_i, i < dims / 2.
+struct Angles {
+  std::vector<float> cosines, sines;
+
+  Angles(int64_t half) : cosines(half), sines(half) {}
+
+  void at(int64_t position, float scale, const float* periods) {
+    const float scaled = scale * static_cast<float>(position);
+    for (size_t i = 0; i < cosines.size(); ++i) {
+      const float theta = scaled * (1.0f / periods[i]);
+      cosines[i] = std::cos(theta);
+      sines[i] = std::sin(theta);
+    }
+  }
+
+  // Rotates the first dims values of one head's row in place (pairs (2i, 2i + 1) when
+  // traditional, else (i, i + dims / 2)).
+  void rotate(float* row, bool traditional) const {
+    const int64_t half = cosines.size();
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+      const float first = row[a], second = row[c];
+      row[a] = first * cosines[i] - second * sines[i];
+      row[c] = first * sines[i] + second * cosines[i];
+    }
+  }
+};
+
+int64_t offset_of_row(const uint8_t* offsets, const mx::array& offset, int64_t b) {
+  return id_at(offsets, offset.dtype(), offset.size() == 1 ? 0 : b);
+}
+
 void rotated(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims, bool traditional,
              float scale, mx::array& out) {
-  const int64_t batch = x.shape(0), heads = x.shape(1), length = x.shape(2), d = x.shape(3), half = dims / 2;
+  const int64_t batch = x.shape(0), heads = x.shape(1), length = x.shape(2), d = x.shape(3);
   std::vector<uint8_t> o_scratch, f_scratch;
   const uint8_t* offsets = contiguous_bytes(offset, o_scratch);
   const float* periods = reinterpret_cast<const float*>(contiguous_bytes(freqs, f_scratch));
@@ -283,38 +315,41 @@ void rotated(const mx::array& x, const mx::array& offset, const mx::array& freqs
   const Real type = real_of(x.dtype());
   const auto& st = x.strides();
   float* y = result_buffer(out);  // (B, H, L, D) row-major
-  std::vector<float> cosines(half), sines(half), row(d);
+  Angles angles(dims / 2);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t first = id_at(offsets, offset.dtype(), offset.size() == 1 ? 0 : b);
+    const int64_t first = offset_of_row(offsets, offset, b);
     for (int64_t l = 0; l < length; ++l) {
-      const float position = scale * static_cast<float>(first + l);
-      for (int64_t i = 0; i < half; ++i) {
-        const float theta = position * (1.0f / periods[i]);
-        cosines[i] = std::cos(theta);
-        sines[i] = std::sin(theta);
-      }
+      angles.at(first + l, scale, periods);
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t base = b * st[0] + h * st[1] + l * st[2];
-        for (int64_t j = 0; j < d; ++j) row[j] = real_at(x_bytes, type, base + j * st[3]);
         float* o = y + ((b * heads + h) * length + l) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
-          o[a] = row[a] * cosines[i] - row[c] * sines[i];
-          o[c] = row[a] * sines[i] + row[c] * cosines[i];
-        }
-        for (int64_t j = dims; j < d; ++j) o[j] = row[j];
+        for (int64_t j = 0; j < d; ++j) o[j] = real_at(x_bytes, type, base + j * st[3]);
+        angles.rotate(o, traditional);
       }
     }
   }
   store(y, out);
 }
 
+// RoPE on products laid out (B, heads, 1, D): one position per row b (a decoding step).
+void rotate_heads(float* y, int64_t batch, int64_t heads, int64_t d, const mx::array& offset,
+                  const mx::array& freqs, const RopeSettings& rope) {
+  std::vector<uint8_t> o_scratch, f_scratch;
+  const uint8_t* offsets = contiguous_bytes(offset, o_scratch);
+  const float* periods = reinterpret_cast<const float*>(contiguous_bytes(freqs, f_scratch));
+  Angles angles(rope.dims / 2);
+  for (int64_t b = 0; b < batch; ++b) {
+    angles.at(offset_of_row(offsets, offset, b), rope.scale, periods);
+    for (int64_t h = 0; h < heads; ++h) angles.rotate(y + (b * heads + h) * d, rope.traditional);
+  }
+}
+
 // Each product's float32 results into ys[i]; gated: silu(ys[0]) * ys[1] into `gated_out`.
-void products_of_one_input(const std::vector<mx::array>& in, int group_size, int bits, float* const* ys) {
+void products_of_one_input(const std::vector<mx::array>& in, size_t count, int group_size, int bits,
+                           float* const* ys) {
   const mx::array& x = in[0];
   const bool quantized = bits != 0;
   const int per_weight = quantized ? 3 : 1;
-  const size_t count = (in.size() - 1) / per_weight;
   const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
   const Kernels& kernels = best_kernels();
   const float* x32 = as_float32(x);
@@ -518,7 +553,9 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& fre
 }
 
 std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
-                                      int bits, bool gated, mx::StreamOrDevice s) {
+                                      int bits, bool gated, const std::vector<int>& heads,
+                                      const std::optional<mx::array>& offset, const std::optional<mx::array>& freqs,
+                                      RopeSettings rope, mx::StreamOrDevice s) {
   check_float(x, "x");
   const bool quantized = bits != 0;
   const size_t per_weight = quantized ? 3 : 1;
@@ -545,22 +582,54 @@ std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::
     shapes.push_back(with_last(x.shape(), w.shape(0)));
   }
   if (gated && shapes[0] != shapes[1]) throw std::invalid_argument("mlx_tfm kernels: gate and up must have one shape");
+  const size_t count = shapes.size();
+  if (!heads.empty()) {
+    if (gated || heads.size() != count || x.ndim() != 3 || x.shape(1) != 1)
+      throw std::invalid_argument("mlx_tfm kernels: heads needs x (B, 1, k) and one head count per product");
+    for (size_t i = 0; i < count; ++i) {
+      const int n = shapes[i].back();
+      if (heads[i] < 1 || n % heads[i]) throw std::invalid_argument("mlx_tfm kernels: a product's width is not heads x D");
+      shapes[i] = {x.shape(0), heads[i], 1, n / heads[i]};
+    }
+  }
+  if (rope.dims) {
+    if (heads.empty() || count < 2 || !offset || !freqs || rope.dims % 2 || rope.dims > shapes[0][3] ||
+        rope.dims > shapes[1][3] || freqs->dtype() != mx::float32 || freqs->ndim() != 1 ||
+        freqs->shape(0) != rope.dims / 2 || !mx::issubdtype(offset->dtype(), mx::integer) || offset->ndim() > 1 ||
+        (offset->size() != 1 && offset->size() != static_cast<size_t>(x.shape(0))))
+      throw std::invalid_argument("mlx_tfm kernels: rope needs heads, an even dims <= D, float32 freqs (dims / 2,) "
+                                  "and one offset or one per row");
+  }
   const mx::Stream stream = cpu_stream(s);
-  auto reference = [group_size, bits, gated, per_weight, stream](const std::vector<mx::array>& in) {
+  const std::vector<int> head_counts = heads;
+  auto reference = [group_size, bits, gated, per_weight, count, head_counts, rope, stream](const std::vector<mx::array>& in) {
     std::vector<mx::array> outs;
-    for (size_t i = 1; i < in.size(); i += per_weight) {
-      outs.push_back(per_weight == 3 ? mx::quantized_matmul(in[0], in[i], in[i + 1], in[i + 2], true, group_size, bits,
+    for (size_t i = 0; i < count; ++i) {
+      const size_t w = 1 + i * per_weight;
+      outs.push_back(per_weight == 3 ? mx::quantized_matmul(in[0], in[w], in[w + 1], in[w + 2], true, group_size, bits,
                                                             "affine", stream)
-                                     : mx::matmul(in[0], mx::transpose(in[i], stream), stream));
+                                     : mx::matmul(in[0], mx::transpose(in[w], stream), stream));
     }
     if (gated) return std::vector<mx::array>{
         mx::multiply(mx::multiply(outs[0], mx::sigmoid(outs[0], stream), stream), outs[1], stream)};
+    for (size_t i = 0; i < head_counts.size(); ++i) {
+      // (B, 1, H * D) -> (B, H, 1, D)
+      const int batch = outs[i].shape(0), d = outs[i].shape(2) / head_counts[i];
+      outs[i] = mx::transpose(mx::reshape(outs[i], {batch, 1, head_counts[i], d}, stream), {0, 2, 1, 3}, stream);
+      if (rope.dims && i < 2)
+        outs[i] = mx::fast::rope(outs[i], rope.dims, rope.traditional, std::nullopt, rope.scale, in[in.size() - 2],
+                                 in.back(), stream);
+    }
     return outs;
   };
   std::vector<mx::array> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
+  if (rope.dims) {
+    inputs.push_back(*offset);
+    inputs.push_back(*freqs);
+  }
   if (gated) shapes.resize(1);
-  auto primitive = std::make_shared<FusedProducts>(stream, reference, group_size, bits, gated);
+  auto primitive = std::make_shared<FusedProducts>(stream, reference, group_size, bits, gated, rope);
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), out_type), primitive, inputs);
 }
 
@@ -700,9 +769,9 @@ void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   for (const auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
   const int group_size = group_size_, bits = bits_;
   const bool gated = gated_;
-  encoder.dispatch([held = std::move(held), outs = std::move(outs), group_size, bits, gated]() mutable {
-    const int per_weight = bits ? 3 : 1;
-    const size_t count = (held.size() - 1) / per_weight;
+  const RopeSettings rope = rope_;
+  encoder.dispatch([held = std::move(held), outs = std::move(outs), group_size, bits, gated, rope]() mutable {
+    const size_t count = gated ? 2 : outs.size();
     std::vector<std::vector<float>> buffers(count);
     std::vector<float*> ys(count);
     for (size_t i = 0; i < count; ++i) {
@@ -713,7 +782,12 @@ void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
         ys[i] = buffers[i].data();
       }
     }
-    products_of_one_input(held, group_size, bits, ys.data());
+    products_of_one_input(held, count, group_size, bits, ys.data());
+    if (rope.dims) {  // queries and keys, (B, heads, 1, D) each
+      const mx::array &offset = held[held.size() - 2], &freqs = held.back();
+      for (size_t i = 0; i < 2; ++i)
+        rotate_heads(ys[i], outs[i].shape(0), outs[i].shape(1), outs[i].shape(3), offset, freqs, rope);
+    }
     if (gated) {
       float* y = result_buffer(outs[0]);
       best_kernels().silu_mul(ys[0], ys[1], y, outs[0].size());
@@ -729,7 +803,8 @@ void FusedProducts::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 
 bool FusedProducts::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const FusedProducts&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && rope_.dims == o.rope_.dims &&
+         rope_.traditional == o.rope_.traditional && rope_.scale == o.rope_.scale;
 }
 
 void Pointwise::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }

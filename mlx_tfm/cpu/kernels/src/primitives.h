@@ -52,12 +52,25 @@ mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s = {});
 // silu(gate) * up, elementwise (SwiGLU's activation), computed in float32.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// RoPE applied to the first two products of a decoding step (queries and keys): mx.fast.rope's
+// dims, traditional and scale, with `freqs` periods and positions `offset` (one, or one per row).
+struct RopeSettings {
+  int dims = 0;  // 0: no rotation
+  bool traditional = false;
+  float scale = 1.0f;
+};
+
 // The products x (..., k) @ w_i.T of one x with several weights of one kind, in one call
 // (one pass of the thread pool over all their rows): a layer's query, key and value
 // projections. `weights` holds each w (float), or each (w, scales, biases) (quantized,
 // bits 4 or 8). gated: two weights (gate, up) and one output, silu(x @ gate.T) * (x @ up.T).
+// heads (one count per product; x (B, 1, k), one position): each output (B, heads, 1, n / heads),
+// the layout attention reads, and with rope.dims the first two rotated at positions offset.
 std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
-                                      int bits, bool gated, mx::StreamOrDevice s = {});
+                                      int bits, bool gated, const std::vector<int>& heads = {},
+                                      const std::optional<mx::array>& offset = std::nullopt,
+                                      const std::optional<mx::array>& freqs = std::nullopt, RopeSettings rope = {},
+                                      mx::StreamOrDevice s = {});
 
 // Gradients through MLX's own ops: those of `reference` (the same computation in MLX ops)
 // with respect to the float inputs among argnums; zeros for integer inputs.
@@ -68,8 +81,9 @@ std::vector<mx::array> reference_vjp(const Reference& reference, const std::vect
 
 class FusedProducts : public mx::Primitive {
  public:
-  FusedProducts(mx::Stream stream, Reference reference, int group_size, int bits, bool gated)
-      : mx::Primitive(stream), reference_(std::move(reference)), group_size_(group_size), bits_(bits), gated_(gated) {}
+  FusedProducts(mx::Stream stream, Reference reference, int group_size, int bits, bool gated, RopeSettings rope)
+      : mx::Primitive(stream), reference_(std::move(reference)), group_size_(group_size), bits_(bits), gated_(gated),
+        rope_(rope) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -83,6 +97,7 @@ class FusedProducts : public mx::Primitive {
   Reference reference_;
   int group_size_, bits_;
   bool gated_;
+  RopeSettings rope_;
 };
 
 // The pointwise primitives: one output shaped like the first input, gradients through
