@@ -4,7 +4,10 @@
   them off (tests run the plain MLX routes, what Metal and CUDA run, against them).
 - ``linear``: linear, quantized linear and embedding layers whose products take the faster
   CPU path (float32 BLAS by blocks, rows split over CPU streams, ``W @ x``).
-- ``attention``: the fused attention op over blocks of queries.
+- ``attention``: the fused attention op over blocks of queries; a decoding step's through
+  mlx_tfm's kernel.
+- ``pointwise``: RMSNorm, RoPE, SwiGLU's ``silu(gate) * up`` and the log-sum-exp over the
+  vocabulary, one kernel call each.
 
 ``specialize(model)`` is the one step that swaps the CPU layers in: applied when a model
 is loaded, after it is quantized and after adapters are fused. The swapped layers hold the
