@@ -233,9 +233,10 @@ class QuantizedLinear(nn.QuantizedLinear):
         if not on_cpu() or self.mode != "affine":
             return super().__call__(x)
         if self.dense_is_faster(x):
-            # With the kernels' dequantization (every core, ~10x MLX's) blocks of 1 MiB:
-            # a quarter of the products and dequantizations to queue, ~3 MB more at a time.
-            block_bytes = 1 << 20 if kernels_take(self) else 1 << 18
+            # With the kernels' dequantization (every core, ~10x MLX's) blocks of 8 MiB: a
+            # whole layer of a small model, a few hundred rows of a large one; fewer and larger
+            # BLAS calls (OpenBLAS's threads yield between calls), a few MB more at a time.
+            block_bytes = 1 << 23 if kernels_take(self) else 1 << 18
             y = float32_product(x, self.float32_rows, self["weight"].shape[0], block_bytes)
         else:
             y = quantized_rows_product(x, self)
