@@ -225,18 +225,6 @@ inline float dot_row(const float* q, const void* row, int64_t d) {
   return total;
 }
 
-// out[0:d] += weight * row[0:d], row of type R.
-template <Real R>
-inline void add_scaled_row(float* out, float weight, const void* row, int64_t d) {
-  const F w = set1(weight);
-  int64_t j = 0;
-  for (; j + LANES <= d; j += LANES) {
-    F o = fma(w, load_real<R>(row, j), load(out + j));
-    store(out + j, o);
-  }
-  for (; j < d; ++j) out[j] += weight * scalar_real<R>(row, j);
-}
-
 // e^v for every lane, within 2 ulp over float32's range: v = n ln2 + r, |r| <= ln2 / 2
 // (ln2 in two parts, so r keeps its low bits), e^r by a degree-7 polynomial (Cephes'
 // coefficients), times 2^n. Inputs are clamped where e^v leaves float32's normal range.

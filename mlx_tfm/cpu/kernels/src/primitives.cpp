@@ -118,40 +118,64 @@ void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
 
 // -- the computations ------------------------------------------------------------------
 
-void float_product(const mx::array& x, const mx::array& w, mx::array& out) {
-  const int64_t n = w.shape(0), k = w.shape(1), m = x.size() / k;
-  const float* x32 = as_float32(x);
-  std::vector<uint8_t> w_scratch;
-  float* y = result_buffer(out);
-  const FloatProduct p{contiguous_bytes(w, w_scratch), real_of(w.dtype()), n, k, x32, m, y};
+// The products x @ w_i.T of in = {x, then each w (float) or each w, scales, biases (bits 4
+// or 8)}: count of them, float32 results into ys[i], all their rows in one pass of the pool.
+void products_of_one_input(const std::vector<mx::array>& in, size_t count, int group_size, int bits,
+                           float* const* ys) {
+  const mx::array& x = in[0];
+  const bool quantized = bits != 0;
+  const int per_weight = quantized ? 3 : 1;
+  const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
   const Kernels& kernels = best_kernels();
-  over_rows(n, k * w.itemsize(), [&](int64_t n0, int64_t n1) { kernels.float_rows(p, n0, n1); });
-  store(y, out);
+  const float* x32 = as_float32(x);
+  const float* x_read = x32;
+  float* sums = nullptr;
+  if (quantized) {
+    const int64_t groups = k / group_size;
+    sums = scratch(X_SUMS, m * groups);
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float total = 0.0f;
+      for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
+      sums[i] = total;
+    }
+    if (bits == 4) {
+      float* permuted = scratch(X_PERMUTED, m * k);
+      for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
+      x_read = permuted;
+    }
+  }
+  std::vector<std::vector<uint8_t>> copies(count * per_weight);
+  std::vector<FloatProduct> floats;
+  std::vector<QuantizedProduct> quants;
+  std::vector<int64_t> first_row{0};  // where each weight's rows start among all of them
+  for (size_t i = 0; i < count; ++i) {
+    const mx::array& w = in[1 + per_weight * i];
+    const int64_t n = w.shape(0);
+    if (quantized) {
+      const mx::array &scales = in[2 + 3 * i], &biases = in[3 + 3 * i];
+      quants.push_back({contiguous_bytes(w, copies[3 * i]), bits, group_size, n, k,
+                        contiguous_bytes(scales, copies[3 * i + 1]), contiguous_bytes(biases, copies[3 * i + 2]),
+                        real_of(scales.dtype()), x_read, sums, m, ys[i]});
+    } else {
+      floats.push_back({contiguous_bytes(w, copies[i]), real_of(w.dtype()), n, k, x32, m, ys[i]});
+    }
+    first_row.push_back(first_row.back() + n);
+  }
+  const int64_t row_bytes = quantized ? k * bits / 8 : k * in[1].itemsize();
+  over_rows(first_row.back(), row_bytes, [&](int64_t g0, int64_t g1) {
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t lo = std::max(g0, first_row[i]) - first_row[i], hi = std::min(g1, first_row[i + 1]) - first_row[i];
+      if (lo >= hi) continue;
+      if (quantized) kernels.quantized_rows(quants[i], lo, hi);
+      else kernels.float_rows(floats[i], lo, hi);
+    }
+  });
 }
 
-void quantized_product(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits, mx::array& out) {
-  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = x.size() / k, groups = k / group_size;
-  const Kernels& kernels = best_kernels();
-  const float* x32 = as_float32(x);
-  float* sums = scratch(X_SUMS, m * groups);
-  for (int64_t i = 0; i < m * groups; ++i) {
-    float total = 0.0f;
-    for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
-    sums[i] = total;
-  }
-  const float* x_read = x32;
-  if (bits == 4) {
-    float* permuted = scratch(X_PERMUTED, m * k);
-    for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
-    x_read = permuted;
-  }
-  std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
+// x @ w.T into out, in out's dtype: in = {x, w} or {x, w, scales, biases}.
+void product(const std::vector<mx::array>& in, int group_size, int bits, mx::array& out) {
   float* y = result_buffer(out);
-  const QuantizedProduct p{contiguous_bytes(w, w_scratch), bits, group_size, n, k,
-                           contiguous_bytes(scales, s_scratch), contiguous_bytes(biases, b_scratch),
-                           real_of(scales.dtype()), x_read, sums, m, y};
-  over_rows(n, k * bits / 8, [&](int64_t n0, int64_t n1) { kernels.quantized_rows(p, n0, n1); });
+  products_of_one_input(in, 1, group_size, bits, &y);
   store(y, out);
 }
 
@@ -344,59 +368,6 @@ void rotate_heads(float* y, int64_t batch, int64_t heads, int64_t d, const mx::a
   }
 }
 
-// Each product's float32 results into ys[i]; gated: silu(ys[0]) * ys[1] into `gated_out`.
-void products_of_one_input(const std::vector<mx::array>& in, size_t count, int group_size, int bits,
-                           float* const* ys) {
-  const mx::array& x = in[0];
-  const bool quantized = bits != 0;
-  const int per_weight = quantized ? 3 : 1;
-  const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
-  const Kernels& kernels = best_kernels();
-  const float* x32 = as_float32(x);
-  const float* x_read = x32;
-  float* sums = nullptr;
-  if (quantized) {
-    const int64_t groups = k / group_size;
-    sums = scratch(X_SUMS, m * groups);
-    for (int64_t i = 0; i < m * groups; ++i) {
-      float total = 0.0f;
-      for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
-      sums[i] = total;
-    }
-    if (bits == 4) {
-      float* permuted = scratch(X_PERMUTED, m * k);
-      for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
-      x_read = permuted;
-    }
-  }
-  std::vector<std::vector<uint8_t>> copies(count * per_weight);
-  std::vector<FloatProduct> floats;
-  std::vector<QuantizedProduct> quants;
-  std::vector<int64_t> first_row{0};  // where each weight's rows start among all of them
-  for (size_t i = 0; i < count; ++i) {
-    const mx::array& w = in[1 + per_weight * i];
-    const int64_t n = w.shape(0);
-    if (quantized) {
-      const mx::array &scales = in[2 + 3 * i], &biases = in[3 + 3 * i];
-      quants.push_back({contiguous_bytes(w, copies[3 * i]), bits, group_size, n, k,
-                        contiguous_bytes(scales, copies[3 * i + 1]), contiguous_bytes(biases, copies[3 * i + 2]),
-                        real_of(scales.dtype()), x_read, sums, m, ys[i]});
-    } else {
-      floats.push_back({contiguous_bytes(w, copies[i]), real_of(w.dtype()), n, k, x32, m, ys[i]});
-    }
-    first_row.push_back(first_row.back() + n);
-  }
-  const int64_t row_bytes = quantized ? k * bits / 8 : k * in[1].itemsize();
-  over_rows(first_row.back(), row_bytes, [&](int64_t g0, int64_t g1) {
-    for (size_t i = 0; i < count; ++i) {
-      const int64_t lo = std::max(g0, first_row[i]) - first_row[i], hi = std::min(g1, first_row[i + 1]) - first_row[i];
-      if (lo >= hi) continue;
-      if (quantized) kernels.quantized_rows(quants[i], lo, hi);
-      else kernels.float_rows(floats[i], lo, hi);
-    }
-  });
-}
-
 void logsumexp_of_rows(const mx::array& x, mx::array& out) {
   const int64_t n = x.shape(-1), rows = static_cast<int64_t>(x.size()) / n;
   const float* x32 = as_float32(x);
@@ -455,6 +426,15 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   check_float(scales, "scales");
   if (biases.dtype() != scales.dtype())
     throw std::invalid_argument("mlx_tfm kernels: scales and biases must have one dtype");
+}
+
+// RoPE's periods (dims / 2,) float32 and positions: one integer, or one per row of `batch`.
+void check_rope_positions(const mx::array& offset, const mx::array& freqs, int dims, int batch) {
+  if (freqs.dtype() != mx::float32 || freqs.ndim() != 1 || freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("mlx_tfm kernels: rope needs float32 freqs (dims / 2,)");
+  if (!mx::issubdtype(offset.dtype(), mx::integer) || offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != static_cast<size_t>(batch)))
+    throw std::invalid_argument("mlx_tfm kernels: rope's offset must be one integer or one per row (B,)");
 }
 
 mx::Shape with_last(const mx::Shape& shape, int last) {
@@ -539,11 +519,7 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& fre
   check_float(x, "x");
   if (x.ndim() != 4 || dims < 2 || dims % 2 || dims > x.shape(3))
     throw std::invalid_argument("mlx_tfm kernels: rope needs x (B, H, L, D) and an even dims <= D");
-  if (freqs.dtype() != mx::float32 || freqs.ndim() != 1 || freqs.shape(0) != dims / 2)
-    throw std::invalid_argument("mlx_tfm kernels: rope needs float32 freqs (dims / 2,)");
-  if (!mx::issubdtype(offset.dtype(), mx::integer) || offset.ndim() > 1 ||
-      (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))))
-    throw std::invalid_argument("mlx_tfm kernels: rope's offset must be one integer or one per row (B,)");
+  check_rope_positions(offset, freqs, dims, x.shape(0));
   const mx::Stream stream = cpu_stream(s);
   auto reference = [dims, traditional, scale, stream](const std::vector<mx::array>& in) {
     return std::vector<mx::array>{mx::fast::rope(in[0], dims, traditional, std::nullopt, scale, in[1], in[2], stream)};
@@ -594,11 +570,9 @@ std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::
   }
   if (rope.dims) {
     if (heads.empty() || count < 2 || !offset || !freqs || rope.dims % 2 || rope.dims > shapes[0][3] ||
-        rope.dims > shapes[1][3] || freqs->dtype() != mx::float32 || freqs->ndim() != 1 ||
-        freqs->shape(0) != rope.dims / 2 || !mx::issubdtype(offset->dtype(), mx::integer) || offset->ndim() > 1 ||
-        (offset->size() != 1 && offset->size() != static_cast<size_t>(x.shape(0))))
-      throw std::invalid_argument("mlx_tfm kernels: rope needs heads, an even dims <= D, float32 freqs (dims / 2,) "
-                                  "and one offset or one per row");
+        rope.dims > shapes[1][3])
+      throw std::invalid_argument("mlx_tfm kernels: rope needs heads, an even dims <= D, freqs and offset");
+    check_rope_positions(*offset, *freqs, rope.dims, x.shape(0));
   }
   const mx::Stream stream = cpu_stream(s);
   const std::vector<int> head_counts = heads;
@@ -680,13 +654,13 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array
 }  // namespace
 
 void MatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { float_product(in[0], in[1], o); });
+  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { product(in, 0, 0, o); });
 }
 
 void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int group_size = group_size_, bits = bits_;
   dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
-    quantized_product(in[0], in[1], in[2], in[3], group_size, bits, o);
+    product(in, group_size, bits, o);
   });
 }
 
