@@ -1,7 +1,7 @@
 """The small operations of a decoding step on MLX's CPU backend, MLX's own against
 mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary and
 one query's attention over the cache, for 1 and 16 rows of the 135M Llama shape
-(examples/llama135m.py).
+(examples/llama135m.py); and a prompt's causal attention (as many queries as positions).
 
     python examples/benchmark_cpu_ops.py
 
@@ -64,8 +64,19 @@ def ops(rows: int, positions: int):
          mx.random.normal((rows, VOCAB))),
         (f"attention ({positions} positions)",
          lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
-         lambda q: K.one_query_attention(q, keys, values, scale=scale), mx.random.normal((rows, HEADS, 1, HEAD_DIM))),
+         lambda q: K.attention(q, keys, values, scale=scale), mx.random.normal((rows, HEADS, 1, HEAD_DIM))),
     ]
+
+
+def prompt_attention(positions: int):
+    """(name, MLX op, kernel op, queries) for a prompt of ``positions`` tokens, causal."""
+    K = kernels()
+    keys, values = (mx.random.normal((1, KV_HEADS, positions, HEAD_DIM)) for _ in range(2))
+    scale = HEAD_DIM**-0.5
+    return (f"attention, {positions}-token prompt",
+            lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal"),
+            lambda q: K.attention(q, keys, values, scale=scale, causal=True),
+            mx.random.normal((1, HEADS, positions, HEAD_DIM)))
 
 
 def main() -> None:
@@ -82,6 +93,10 @@ def main() -> None:
             mx.eval(x)
             a, b = per_call_us(plain, x, args.calls), per_call_us(kernel, x, args.calls)
             print(f"| {name} | {rows} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
+    name, plain, kernel, x = prompt_attention(args.positions)
+    mx.eval(x)
+    a, b = per_call_us(plain, x, args.calls // 10), per_call_us(kernel, x, args.calls // 10)
+    print(f"| {name} | 1 | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .cache import QuantizedKV, window_mask
 from .cpu import on_cpu
-from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks, kernel_takes_one_query, one_query_attention
+from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks, kernel_attention, kernel_takes
 from .cpu import quantized_attention as cpu_quantized
 from .cpu.quantized_attention import in_float32
 
@@ -93,8 +93,9 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
     soft-capped scores take their own paths (no fused kernel has them; on the CPU the
     quantized path computes in float32, its scores on every core:
     ``mlx_tfm/cpu/quantized_attention.py``);
-    on the CPU a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less
-    memory, the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
+    on the CPU mlx_tfm's kernel takes what it can (``cpu.attention.kernel_takes``), and
+    else a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less memory,
+    the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
     if isinstance(keys, QuantizedKV):
         if on_cpu():
             scores_of = cpu_quantized.scores if cpu_quantized.kernel_takes(queries, keys) else None
@@ -105,8 +106,8 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
         if sinks is not None:
             raise ValueError("attention sinks with soft-capped scores are not supported")
         return softcapped_attention(queries, keys, values, scale, mask, softcap)
-    if on_cpu() and kernel_takes_one_query(queries, mask, sinks):
-        return one_query_attention(queries, keys, values, scale, mask)
+    if on_cpu() and kernel_takes(queries, mask, sinks):
+        return kernel_attention(queries, keys, values, scale, mask)
     if on_cpu() and queries.shape[2] > QUERY_BLOCK:
         return attention_by_query_blocks(queries, keys, values, scale, mask, QUERY_BLOCK, sinks)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

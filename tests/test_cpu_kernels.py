@@ -209,7 +209,7 @@ def test_one_query_attention_equals_mlx_sdpa(dtype, batch, heads, kv_heads, posi
     keys = cache[:, :, :positions]  # a cache's filled part: strided, not contiguous
     values = random((batch, kv_heads, positions, head_dim), FLOATS[dtype])
     scale = head_dim**-0.5
-    result = K.one_query_attention(queries, keys, values, scale=scale)
+    result = K.attention(queries, keys, values, scale=scale)
     q32, k32, v32 = (a.astype(mx.float32) for a in (queries, keys, values))
     reference = mx.fast.scaled_dot_product_attention(q32, k32, v32, scale=scale)
     assert result.shape == queries.shape and result.dtype == queries.dtype
@@ -223,7 +223,7 @@ def test_one_query_attention_with_peaked_weights(heads, kv_heads):
     kernel), a few carry the mass; head groups of 1, 6 and 7 (blocks of 4 query heads)."""
     queries = random((2, heads, 1, 64)) * 30
     keys, values = random((2, kv_heads, 300, 64)), random((2, kv_heads, 300, 64))
-    result = K.one_query_attention(queries, keys, values, scale=0.125)
+    result = K.attention(queries, keys, values, scale=0.125)
     reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
     assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 364)
 
@@ -235,10 +235,10 @@ def test_one_query_attention_with_a_row_mask(mask_rows):
     queries, keys, values = random((3, 6, 1, 32)), random((3, 2, 40, 32)), random((3, 2, 40, 32))
     starts = mx.array([0, 17, 39][:mask_rows])[:, None, None, None]
     mask = mx.arange(40)[None, None, None, :] >= starts  # (rows, 1, 1, 40)
-    result = K.one_query_attention(queries, keys, values, scale=0.2, mask=mask)
+    result = K.attention(queries, keys, values, scale=0.2, mask=mask)
     reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.2, mask=mask)
     assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 72)
-    blind = K.one_query_attention(queries, keys, values, scale=0.2, mask=mx.zeros((1, 1, 1, 40), mx.bool_))
+    blind = K.attention(queries, keys, values, scale=0.2, mask=mx.zeros((1, 1, 1, 40), mx.bool_))
     assert not np.array(blind).any()
 
 
@@ -246,13 +246,78 @@ def test_one_query_attention_reads_values_with_any_strides():
     queries, keys = random((1, 4, 1, 16)), random((1, 2, 50, 16))
     values = random((1, 2, 16, 50)).swapaxes(2, 3)  # the head axis is not contiguous
     reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25)
-    assert_close(K.one_query_attention(queries, keys, values, scale=0.25), reference,
+    assert_close(K.attention(queries, keys, values, scale=0.25), reference,
                  mx.broadcast_to(mx.abs(values).max(), reference.shape), 66)
 
 
-def test_one_query_attention_refuses_more_queries():
-    with pytest.raises(ValueError, match="attention needs queries"):
-        K.one_query_attention(random((1, 4, 2, 16)), random((1, 2, 5, 16)), random((1, 2, 5, 16)), scale=1.0)
+# -- attention of several queries (a prompt, an encoder) ---------------------------------------
+
+
+def causal_rows(queries: int, positions: int) -> mx.array:
+    """(L, S): query l sees positions up to S - L + l, written out for the reference."""
+    return mx.arange(positions)[None, :] <= mx.arange(positions - queries, positions)[:, None]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("batch, heads, kv_heads, queries, positions, head_dim", [
+    (1, 9, 3, 180, 180, 64), (2, 4, 2, 7, 30, 16), (1, 8, 8, 33, 100, 32), (1, 9, 3, 5, 300, 64),
+    (2, 6, 1, 70, 70, 24), (1, 3, 3, 130, 1000, 80), (1, 1, 1, 2, 2, 3), (2, 12, 4, 65, 129, 128)])
+def test_causal_attention_equals_mlx_sdpa(dtype, batch, heads, kv_heads, queries, positions, head_dim):
+    """A prompt's chunk at the end of the cache: query blocks that end mid-tile, tiles of keys
+    cut short, groups of 1-3 query heads per KV head, keys strided (a cache's filled part)."""
+    q = random((batch, heads, queries, head_dim), FLOATS[dtype])
+    keys = random((batch, kv_heads, positions + 5, head_dim), FLOATS[dtype])[:, :, :positions]
+    values = random((batch, kv_heads, positions, head_dim), FLOATS[dtype])
+    scale = head_dim**-0.5
+    result = K.attention(q, keys, values, scale=scale, causal=True)
+    q32, k32, v32 = (a.astype(mx.float32) for a in (q, keys, values))
+    reference = mx.fast.scaled_dot_product_attention(q32, k32, v32, scale=scale, mask=causal_rows(queries, positions))
+    assert result.shape == q.shape and result.dtype == q.dtype
+    assert_close(result, reference, mx.broadcast_to(mx.abs(v32).max(), reference.shape), positions + head_dim)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_rows", [2, 1])
+def test_several_queries_with_a_row_mask(causal, mask_rows):
+    """An encoder's padding (every query sees the same positions of its row), alone or with
+    the causal mask; a row that sees nothing gives zeros."""
+    q, keys, values = random((2, 6, 20, 32)), random((2, 2, 40, 32)), random((2, 2, 40, 32))
+    lengths = mx.array([40, 23][:mask_rows])[:, None, None, None]
+    mask = mx.arange(40)[None, None, None, :] < lengths  # (rows, 1, 1, 40)
+    result = K.attention(q, keys, values, scale=0.2, mask=mask, causal=causal)
+    both = mask & causal_rows(20, 40) if causal else mask
+    reference = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=both)
+    assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 72)
+    blind = K.attention(q, keys, values, scale=0.2, mask=mx.zeros((1, 1, 1, 40), mx.bool_), causal=causal)
+    assert not np.array(blind).any()
+
+
+def test_several_queries_with_peaked_weights_and_strided_inputs():
+    """Large queries (most weights flushed to 0), queries and values not contiguous."""
+    q = (random((1, 20, 8, 64)) * 30).swapaxes(1, 2)  # (1, 8, 20, 64), heads axis strided
+    keys, values = random((1, 2, 300, 64)), random((1, 2, 64, 300)).swapaxes(2, 3)
+    result = K.attention(q, keys, values, scale=0.125, causal=True)
+    reference = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=causal_rows(20, 300))
+    assert_close(result, reference, mx.broadcast_to(mx.abs(values).max(), reference.shape), 364)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_gradients_are_mlx_s(masked):
+    """Training through the kernel: the gradients of the fused op with the same mask."""
+    q, keys, values = random((2, 4, 9, 16)), random((2, 2, 12, 16)), random((2, 2, 12, 16))
+    rows = mx.arange(12)[None, None, None, :] >= mx.array([0, 2])[:, None, None, None]
+    mask = rows if masked else None
+    both = rows & causal_rows(9, 12) if masked else causal_rows(9, 12)
+    cotangent = random((2, 4, 9, 16))
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) * cotangent).sum()
+
+    ours = mx.grad(loss(lambda q, k, v: K.attention(q, k, v, scale=0.3, mask=mask, causal=True)), argnums=(0, 1, 2))
+    theirs = mx.grad(loss(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=both)),
+                     argnums=(0, 1, 2))
+    for a, b in zip(ours(q, keys, values), theirs(q, keys, values)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
 
 
 # -- the kernels inside MLX graphs ---------------------------------------------------------
@@ -540,8 +605,11 @@ def test_pointwise_gradients_are_mlx_s():
     (lambda: K.fused_products(random((2, 1, 8)), [random((8, 8)), random((4, 8))], heads=[2, 1], offset=mx.array(0),
                               freqs=rope_periods(6, 1e4), rope_dims=6), "rope needs heads"),
     (lambda: K.fused_products(random((1, 64)), [*quantized(8, 64, 32, 4)], group_size=32, bits=3), "bits must be 4 or 8"),
-    (lambda: K.one_query_attention(random((2, 4, 1, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0,
-                                   mask=mx.ones((2, 1, 1, 5))), "mask must be boolean"),
+    (lambda: K.attention(random((2, 4, 1, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0,
+                         mask=mx.ones((2, 1, 1, 5))), "mask must be boolean"),
+    (lambda: K.attention(random((2, 4, 6, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0, causal=True),
+     "no more queries than positions"),
+    (lambda: K.attention(random((2, 4, 8)), random((2, 2, 5, 8)), random((2, 2, 5, 8)), scale=1.0), "attention needs queries"),
 ])
 def test_bad_arguments_are_one_line_errors(call, message):
     with pytest.raises(ValueError, match=message):
@@ -566,7 +634,10 @@ for name, dtype in (("f32", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat
     errors[name] = float(mx.abs(K.matvec(x[:, :317], w) - ref).max())
 q, k, v = mx.random.normal((1, 6, 1, 70)), mx.random.normal((1, 2, 40, 70)), mx.random.normal((1, 2, 40, 70))
 ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
-errors["attention"] = float(mx.abs(K.one_query_attention(q, k, v, scale=0.1) - ref).max())
+errors["attention"] = float(mx.abs(K.attention(q, k, v, scale=0.1) - ref).max())
+q = mx.random.normal((1, 6, 37, 70))
+ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mx.arange(40)[None] <= mx.arange(3, 40)[:, None])
+errors["causal attention"] = float(mx.abs(K.attention(q, k, v, scale=0.1, causal=True) - ref).max())
 g, u = mx.random.normal((5, 333)) * 4, mx.random.normal((5, 333))
 errors["silu_mul"] = float(mx.abs(K.silu_mul(g, u) - g * mx.sigmoid(g) * u).max())
 w = mx.random.normal((333,))

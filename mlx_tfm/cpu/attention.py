@@ -1,5 +1,5 @@
-"""Attention on MLX's CPU backend: the fused op over a block of queries at a time; a
-decoding step's single query through mlx_tfm's kernel where it is in use."""
+"""Attention on MLX's CPU backend: through mlx_tfm's kernel where it is in use and takes the
+mask; else the fused op over a block of queries at a time."""
 
 from __future__ import annotations
 
@@ -39,12 +39,13 @@ def attention_by_query_blocks(queries, keys, values, scale: float, mask, block: 
     return mx.concatenate(outputs, axis=2)
 
 
-def kernel_takes_one_query(queries, mask, sinks=None) -> bool:
-    """Whether a decoding step's attention goes through mlx_tfm's kernel (one call per
-    layer instead of MLX's chain of ops over OpenBLAS): one query, and every cached
-    position visible (no mask, or "causal", which for one query at the end is the same) or
-    a boolean mask per row (B or 1, 1, 1, S): a batch whose rows start at different slots."""
-    if kernels() is None or queries.shape[2] != 1 or sinks is not None:
+def kernel_takes(queries, mask, sinks=None) -> bool:
+    """Whether attention goes through mlx_tfm's kernel (one call per layer instead of MLX's
+    chain of ops, its exponentials and softmax on every core): no sinks, and every cached
+    position visible (no mask), or "causal" (for one query at the end, the same), or a
+    boolean mask per row (B or 1, 1, 1, S): a batch whose rows start at different slots, an
+    encoder's padding."""
+    if kernels() is None or sinks is not None:
         return False
     return mask is None or isinstance(mask, str) or row_mask(mask) is not None
 
@@ -56,6 +57,7 @@ def row_mask(mask) -> mx.array | None:
     return None
 
 
-def one_query_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
-    """(B, n_heads, 1, head_dim) over keys, values (B, n_kv_heads, S, head_dim)."""
-    return kernels().one_query_attention(queries, keys, values, scale=scale, mask=row_mask(mask))
+def kernel_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
+    """(B, n_heads, L, head_dim) over keys, values (B, n_kv_heads, S, head_dim)."""
+    causal = isinstance(mask, str) and queries.shape[2] > 1
+    return kernels().attention(queries, keys, values, scale=scale, mask=row_mask(mask), causal=causal)

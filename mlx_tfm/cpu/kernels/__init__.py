@@ -7,7 +7,8 @@ core: ``matvec`` (float32 / float16 / bfloat16 weights), ``quantized_matvec`` (M
 4- and 8-bit layout, group 32/64/128, float32 or half-precision scales), ``fused_products``
 (several products of one input in one call: q/k/v, optionally in attention's layout with
 RoPE applied; gate/up with silu on the way out) and ``quantized_rows`` (a quantized
-embedding lookup); a decoding step's attention (``one_query_attention``); and the pointwise
+embedding lookup); attention (``attention``: a decoding step's query, a prompt's causal
+chunk, an encoder's padded rows); and the pointwise
 ops MLX runs as chains of scalar ops (``rms_norm``, ``rope``, ``silu_mul``, ``logsumexp``).
 Each is a lazy MLX operation (a ``Primitive`` with ``eval_cpu``; gradients through MLX's
 own ops) that splits its work over a pool of one thread per core where it is large enough

@@ -31,10 +31,10 @@ NB_MODULE(_kernels, m) {
         "Rows ids of the dequantized w (a quantized embedding lookup).");
   m.def("dequantize", &k::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "stream"_a = nb::none(), "dequantize(w, scales, biases) as float32 (n, k), on every core.");
-  m.def("one_query_attention", &k::one_query_attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(),
-        "scale"_a, "mask"_a = nb::none(), "stream"_a = nb::none(),
-        "Attention of queries (B, H, 1, D) over keys, values (B, H_kv, S, D): every position visible, or those "
-        "a boolean mask (B or 1, 1, 1, S) allows.");
+  m.def("attention", &k::attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a,
+        "mask"_a = nb::none(), "causal"_a = false, "stream"_a = nb::none(),
+        "Attention of queries (B, H, L, D) over keys, values (B, H_kv, S, D): every position visible, or those "
+        "a boolean mask (B or 1, 1, 1, S) allows; causal: query l sees positions up to S - L + l.");
   m.def("rms_norm", &k::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "stream"_a = nb::none(),
         "mx.fast.rms_norm(x, weight, eps) in one pass.");
   m.def("rope", &k::rope, "x"_a, "offset"_a, "freqs"_a, nb::kw_only(), "dims"_a, "traditional"_a, "scale"_a,

@@ -40,4 +40,16 @@ void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes) {
   }
 }
 
+int64_t attention_items(const AttentionProblem& p) {
+  const int64_t pairs = p.batch * p.kv_heads;
+  return p.queries == 1 ? pairs : pairs * ((p.queries + p.block_queries - 1) / p.block_queries);
+}
+
+int64_t attention_scratch(const AttentionProblem& p) {
+  const int64_t group = p.heads / p.kv_heads;
+  if (p.queries == 1) return group * p.positions;
+  const int64_t padded = (p.positions + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  return group * p.block_queries * padded + KEY_TILE * p.head_dim;
+}
+
 }  // namespace mlx_tfm_kernels

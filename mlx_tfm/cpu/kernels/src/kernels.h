@@ -38,23 +38,29 @@ struct QuantizedProduct {
   float* y;
 };
 
-// Attention of one query per (batch, head) over S cached positions: out (B, H, D) =
+// Attention of L queries per (batch, head) over S positions: out (B, H, L, D) =
 // softmax(scale * q . K) @ V, the H query heads sharing H / H_kv KV heads (GQA). q is
-// float32 (B, H, D) row-major; keys and values of kv_type, each position's D values
-// contiguous, strided over (batch, KV head, position) in elements; out float32.
+// float32 (B, H, L, D) row-major; keys and values of kv_type, each position's D values
+// contiguous, strided over (batch, KV head, position) in elements; out float32 like q.
 struct AttentionProblem {
   const float* q;
   const void* keys;
   const void* values;
   Real kv_type;
-  int64_t batch, heads, kv_heads, positions, head_dim;
+  int64_t batch, heads, kv_heads, queries, positions, head_dim;
   int64_t key_strides[3], value_strides[3];
   float scale;
   float* out;
   // Which positions each row may attend to (a batch of rows that start at different
-  // slots): mask[b * mask_row_stride + s] nonzero; null: every position.
+  // slots, an encoder's padding): mask[b * mask_row_stride + s] nonzero; null: every position.
   const uint8_t* mask = nullptr;
   int64_t mask_row_stride = 0;
+  // Query l sees positions up to S - L + l only (the last L of S positions, as the
+  // fused op aligns a causal mask).
+  bool causal = false;
+  // Several queries (a prompt): each work item is a block of this many query positions of
+  // one (batch, KV head) pair, with its group's query heads.
+  int64_t block_queries = 1;
 };
 
 // One instruction set's kernels: each computes the outputs of rows [n0, n1) of w.
@@ -63,9 +69,9 @@ struct Kernels {
   int lanes;
   void (*float_rows)(const FloatProduct&, int64_t n0, int64_t n1);
   void (*quantized_rows)(const QuantizedProduct&, int64_t n0, int64_t n1);
-  // (batch, KV head) pairs [i0, i1) of an attention problem, each with its H / H_kv query
-  // heads; scores: room for (H / H_kv) * S floats.
-  void (*attention_groups)(const AttentionProblem&, int64_t i0, int64_t i1, float* scores);
+  // Work items [i0, i1) of an attention problem (attention_items counts them), each with
+  // its H / H_kv query heads; scratch: attention_scratch floats.
+  void (*attention)(const AttentionProblem&, int64_t i0, int64_t i1, float* scratch);
   // Rows [n0, n1) of a quantized product's w dequantized into out (n, k) float32 (the
   // product's x, sums, m and y are not read).
   void (*dequantize_rows)(const QuantizedProduct&, float* out, int64_t n0, int64_t n1);
@@ -88,5 +94,12 @@ const Kernels& best_kernels();
 // x (k,) reordered for 4-bit rows read LANES bytes at a time: in each block of 2 * lanes
 // positions, the even ones first, then the odd ones.
 void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes);
+
+// The work items of an attention problem: (batch, KV head) pairs for one query, blocks
+// of block_queries positions of each pair for several; and the floats of scratch each
+// needs (scores, and for several queries a transposed tile of keys).
+constexpr int64_t KEY_TILE = 64;
+int64_t attention_items(const AttentionProblem& p);
+int64_t attention_scratch(const AttentionProblem& p);
 
 }  // namespace mlx_tfm_kernels

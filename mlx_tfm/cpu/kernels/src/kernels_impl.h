@@ -258,15 +258,15 @@ inline float exp_shifted_sum(float* v, int64_t n, float shift) {
   return sum;
 }
 
-// out (H, d) = weights (H, positions) @ the value rows, for H <= HEAD_BLOCK query heads: a
-// value row's CHUNK columns at a time, every head's sums for them in registers, so each
-// row is loaded once per chunk and nothing is stored until the end.
+// out (H, d) = weights (H, positions; rows `stride` apart) @ the value rows, for H <=
+// HEAD_BLOCK query vectors: a value row's CHUNK columns at a time, every vector's sums for
+// them in registers, so each row is loaded once per chunk and nothing is stored until the end.
 constexpr int HEAD_BLOCK = 4;
 constexpr int CHUNK = 64;
 
 template <Real R, int H>
-void weighted_values(const float* weights, int64_t positions, const uint8_t* values, int64_t value_bytes, int64_t d,
-                     float* out) {
+void weighted_values(const float* weights, int64_t positions, int64_t stride, const uint8_t* values,
+                     int64_t value_bytes, int64_t d, float* out) {
   constexpr int CV = CHUNK / LANES;
   int64_t c0 = 0;
   for (; c0 + CHUNK <= d; c0 += CHUNK) {
@@ -278,7 +278,7 @@ void weighted_values(const float* weights, int64_t positions, const uint8_t* val
       F v[CV];
       for (int c = 0; c < CV; ++c) v[c] = load_real<R>(row, c0 + c * LANES);
       for (int h = 0; h < H; ++h) {
-        const F w = set1(weights[h * positions + s]);
+        const F w = set1(weights[h * stride + s]);
         for (int c = 0; c < CV; ++c) acc[h][c] = fma(w, v[c], acc[h][c]);
       }
     }
@@ -291,17 +291,48 @@ void weighted_values(const float* weights, int64_t positions, const uint8_t* val
   for (int64_t s = 0; s < positions; ++s) {
     const uint8_t* row = values + s * value_bytes;
     for (int h = 0; h < H; ++h) {
-      const float w = weights[h * positions + s];
+      const float w = weights[h * stride + s];
       for (int64_t j = c0; j < d; ++j) out[h * d + j] += w * scalar_real<R>(row, j);
     }
   }
+}
+
+// weighted_values for `vectors` (any count) query vectors, HEAD_BLOCK at a time.
+template <Real R>
+void weighted_values_of(int64_t vectors, const float* weights, int64_t positions, int64_t stride,
+                        const uint8_t* values, int64_t value_bytes, int64_t d, float* out) {
+  for (int64_t v = 0; v < vectors; v += HEAD_BLOCK) {
+    const float* w = weights + v * stride;
+    float* o = out + v * d;
+    switch (vectors - v < HEAD_BLOCK ? vectors - v : HEAD_BLOCK) {
+      case 1: weighted_values<R, 1>(w, positions, stride, values, value_bytes, d, o); break;
+      case 2: weighted_values<R, 2>(w, positions, stride, values, value_bytes, d, o); break;
+      case 3: weighted_values<R, 3>(w, positions, stride, values, value_bytes, d, o); break;
+      default: weighted_values<R, 4>(w, positions, stride, values, value_bytes, d, o); break;
+    }
+  }
+}
+
+// Softmax of row[0, visible) in place, rows of a mask's hidden positions being -inf, and
+// zeros from visible to `through`. Weights too small to matter become 0, not subnormals
+// (each multiply-add with a subnormal takes a slow microcode path): peaked attention has many.
+// Nothing visible: zeros.
+inline void softmax_visible(float* row, int64_t visible, int64_t through) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < visible; ++s) top = row[s] > top ? row[s] : top;
+  if (top == -INFINITY) visible = 0;
+  if (visible > 0) {
+    const float inverse = 1.0f / exp_shifted_sum(row, visible, top);
+    for (int64_t s = 0; s < visible; ++s) row[s] = row[s] * inverse < 1e-30f ? 0.0f : row[s] * inverse;
+  }
+  for (int64_t s = visible; s < through; ++s) row[s] = 0.0f;
 }
 
 // (batch, KV head) pairs [i0, i1): the group of query heads that share a KV head go
 // through its keys and values together, so each cached row is read from memory once for
 // all of them (then from L1), not once per query head.
 template <Real R>
-void attention_groups_of(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+void one_query_groups(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
   const int64_t d = p.head_dim, group = p.heads / p.kv_heads, positions = p.positions;
   const int64_t item = R == Real::F32 ? 4 : 2;
   for (int64_t i = i0; i < i1; ++i) {
@@ -319,38 +350,109 @@ void attention_groups_of(const AttentionProblem& p, int64_t i0, int64_t i1, floa
       for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = p.scale * dot_row<R>(q + g * d, key, d);
     }
     float* out = p.out + (b * p.heads + kvh * group) * d;
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores + g * positions;
-      float top = -INFINITY;
-      for (int64_t s = 0; s < positions; ++s) top = row[s] > top ? row[s] : top;
-      if (top == -INFINITY) {  // nothing visible: an output of zeros
-        for (int64_t s = 0; s < positions; ++s) row[s] = 0.0f;
-        continue;
-      }
-      const float total = exp_shifted_sum(row, positions, top);
-      const float inverse = 1.0f / total;
-      // Weights too small to matter become 0, not subnormals (each multiply-add with a
-      // subnormal takes a slow microcode path): peaked attention has many.
-      for (int64_t s = 0; s < positions; ++s) row[s] = row[s] * inverse < 1e-30f ? 0.0f : row[s] * inverse;
-    }
-    for (int64_t g = 0; g < group; g += HEAD_BLOCK) {
-      const int64_t value_bytes = item * p.value_strides[2];
-      const float* weights = scores + g * positions;
-      switch (group - g < HEAD_BLOCK ? group - g : HEAD_BLOCK) {
-        case 1: weighted_values<R, 1>(weights, positions, values, value_bytes, d, out + g * d); break;
-        case 2: weighted_values<R, 2>(weights, positions, values, value_bytes, d, out + g * d); break;
-        case 3: weighted_values<R, 3>(weights, positions, values, value_bytes, d, out + g * d); break;
-        default: weighted_values<R, 4>(weights, positions, values, value_bytes, d, out + g * d); break;
-      }
-    }
+    for (int64_t g = 0; g < group; ++g) softmax_visible(scores + g * positions, positions, positions);
+    weighted_values_of<R>(group, scores, positions, positions, values, item * p.value_strides[2], d, out);
   }
 }
 
-inline void attention_groups(const AttentionProblem& p, int64_t i0, int64_t i1, float* scores) {
+// scores[v * stride + t] = scale * q_v . keys[t] for V query vectors and the COLS * LANES
+// keys of a transposed tile kt (d, KEY_TILE): each tile load serves V vectors.
+template <int V, int COLS>
+inline void tile_scores(const float* const* q, const float* kt, int64_t d, float scale, float* scores,
+                        int64_t stride) {
+  F acc[V][COLS];
+  for (int v = 0; v < V; ++v)
+    for (int c = 0; c < COLS; ++c) acc[v][c] = zero();
+  for (int64_t j = 0; j < d; ++j) {
+    F k[COLS];
+    for (int c = 0; c < COLS; ++c) k[c] = load(kt + j * KEY_TILE + c * LANES);
+    for (int v = 0; v < V; ++v) {
+      const F qj = set1(q[v][j]);
+      for (int c = 0; c < COLS; ++c) acc[v][c] = fma(qj, k[c], acc[v][c]);
+    }
+  }
+  const F sv = set1(scale);
+  for (int v = 0; v < V; ++v)
+    for (int c = 0; c < COLS; ++c) store(scores + v * stride + c * LANES, mul(acc[v][c], sv));
+}
+
+// Work item `item` of a prompt's attention: a block of query positions [l0, l1) of one
+// (batch, KV head) pair, with the group's query heads: vectors (g, l) in that order, so
+// the vectors of one head are consecutive rows of q and of out. Scores over each tile of
+// KEY_TILE positions come from the tile transposed (d, KEY_TILE) in scratch, so a key
+// multiplies queries lane-wise with no horizontal sums.
+template <Real R>
+void query_block_of(const AttentionProblem& p, int64_t item, float* scratch) {
+  const int64_t d = p.head_dim, group = p.heads / p.kv_heads, S = p.positions, L = p.queries;
+  const int64_t blocks = (L + p.block_queries - 1) / p.block_queries;
+  const int64_t pair = item / blocks, l0 = (item % blocks) * p.block_queries;
+  const int64_t l1 = l0 + p.block_queries < L ? l0 + p.block_queries : L, rows = l1 - l0, vectors = group * rows;
+  const int64_t b = pair / p.kv_heads, kvh = pair % p.kv_heads;
+  const int64_t size = R == Real::F32 ? 4 : 2;
+  const auto* keys = static_cast<const uint8_t*>(p.keys) + size * (b * p.key_strides[0] + kvh * p.key_strides[1]);
+  const auto* values = static_cast<const uint8_t*>(p.values) + size * (b * p.value_strides[0] + kvh * p.value_strides[1]);
+  const uint8_t* visible = p.mask ? p.mask + b * p.mask_row_stride : nullptr;
+  // the positions any vector of the block sees, and each row's own count
+  auto seen_by = [&](int64_t l) { return p.causal ? S - L + l + 1 : S; };
+  const int64_t seen = seen_by(l1 - 1);
+  const int64_t stride = (S + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  float* scores = scratch;                       // (vectors, stride)
+  float* kt = scratch + group * p.block_queries * stride;  // (d, KEY_TILE)
+  const float* q = p.q + ((b * p.heads + kvh * group) * L) * d;  // (group, L, d)
+  float* out = p.out + ((b * p.heads + kvh * group) * L) * d;
+  constexpr int COLS = KEY_TILE / LANES < 4 ? KEY_TILE / LANES : 4;
+  constexpr int V = LANES >= 16 ? 4 : 2;
+  const float* qv[V];
+  for (int64_t t0 = 0; t0 < seen; t0 += KEY_TILE) {
+    const int64_t tile = seen - t0 < KEY_TILE ? seen - t0 : KEY_TILE;
+    for (int64_t t = 0; t < KEY_TILE; ++t) {
+      const uint8_t* key = keys + size * (t0 + t) * p.key_strides[2];
+      for (int64_t j = 0; j < d; ++j) kt[j * KEY_TILE + t] = t < tile ? scalar_real<R>(key, j) : 0.0f;
+    }
+    for (int64_t c0 = 0; c0 < KEY_TILE; c0 += COLS * LANES) {
+      if (c0 >= tile) break;
+      for (int64_t v = 0; v < vectors; v += V) {
+        const int64_t n = vectors - v < V ? vectors - v : V;
+        for (int i = 0; i < V; ++i) {
+          const int64_t w = v + (i < n ? i : 0);
+          qv[i] = q + ((w / rows) * L + l0 + w % rows) * d;
+        }
+        float* at = scores + v * stride + t0 + c0;
+        if (n == V) {
+          tile_scores<V, COLS>(qv, kt + c0, d, p.scale, at, stride);
+        } else {
+          for (int64_t i = 0; i < n; ++i) tile_scores<1, COLS>(qv + i, kt + c0, d, p.scale, at + i * stride, stride);
+        }
+      }
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* row = scores + v * stride;
+    const int64_t own = seen_by(l0 + v % rows);
+    if (visible)
+      for (int64_t s = 0; s < own; ++s)
+        if (!visible[s]) row[s] = -INFINITY;
+    softmax_visible(row, own, seen);
+  }
+  for (int64_t g = 0; g < group; ++g)
+    weighted_values_of<R>(rows, scores + g * rows * stride, seen, stride, values, size * p.value_strides[2], d,
+                          out + (g * L + l0) * d);
+}
+
+template <Real R>
+void attention_of(const AttentionProblem& p, int64_t i0, int64_t i1, float* scratch) {
+  if (p.queries == 1) {
+    one_query_groups<R>(p, i0, i1, scratch);
+    return;
+  }
+  for (int64_t i = i0; i < i1; ++i) query_block_of<R>(p, i, scratch);
+}
+
+inline void attention(const AttentionProblem& p, int64_t i0, int64_t i1, float* scratch) {
   switch (p.kv_type) {
-    case Real::F32: attention_groups_of<Real::F32>(p, i0, i1, scores); break;
-    case Real::F16: attention_groups_of<Real::F16>(p, i0, i1, scores); break;
-    case Real::BF16: attention_groups_of<Real::BF16>(p, i0, i1, scores); break;
+    case Real::F32: attention_of<Real::F32>(p, i0, i1, scratch); break;
+    case Real::F16: attention_of<Real::F16>(p, i0, i1, scratch); break;
+    case Real::BF16: attention_of<Real::BF16>(p, i0, i1, scratch); break;
   }
 }
 
@@ -458,7 +560,7 @@ inline void rms_norm_rows(const float* x, const float* weight, float eps, int64_
 }
 
 const Kernels& kernels() {
-  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention_groups, dequantize_rows,
+  static const Kernels set{ISA_LABEL, LANES, float_rows, quantized_rows, attention, dequantize_rows,
                            silu_mul, rms_norm_rows, logsumexp_rows};
   return set;
 }

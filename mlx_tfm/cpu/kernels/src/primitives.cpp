@@ -232,10 +232,10 @@ void dequantized_rows(const mx::array& ids, const mx::array& w, const mx::array&
   store(y, out);
 }
 
-void one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
-                         const mx::array* mask, mx::array& out) {
-  const int64_t batch = queries.shape(0), heads = queries.shape(1), head_dim = queries.shape(3);
-  const int64_t kv_heads = keys.shape(1), positions = keys.shape(2);
+void attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale, bool causal,
+               const mx::array* mask, mx::array& out) {
+  const int64_t batch = queries.shape(0), heads = queries.shape(1), length = queries.shape(2);
+  const int64_t head_dim = queries.shape(3), kv_heads = keys.shape(1), positions = keys.shape(2);
   const float* q = as_float32(queries);
   // Each position's values must be contiguous; a cache's keys and values are, whatever
   // their other strides (a slice of a larger buffer).
@@ -249,7 +249,7 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
     strides[2] = a.shape(3), strides[1] = strides[2] * a.shape(2), strides[0] = strides[1] * a.shape(1);
     return copy;
   };
-  AttentionProblem p{q, nullptr, nullptr, real_of(keys.dtype()), batch, heads, kv_heads, positions, head_dim,
+  AttentionProblem p{q, nullptr, nullptr, real_of(keys.dtype()), batch, heads, kv_heads, length, positions, head_dim,
                      {}, {}, scale, result_buffer(out)};
   p.keys = rows_of(keys, k_scratch, p.key_strides);
   p.values = rows_of(values, v_scratch, p.value_strides);
@@ -258,13 +258,18 @@ void one_query_attention(const mx::array& queries, const mx::array& keys, const 
     p.mask = contiguous_bytes(*mask, m_scratch);
     p.mask_row_stride = mask->shape(0) == 1 ? 0 : positions;
   }
+  p.causal = causal;
+  // About 64 query vectors per work item (a block of positions times the group's heads):
+  // enough to share each transposed tile of keys, few enough to split a prompt over the cores.
+  const int64_t group = heads / kv_heads;
+  p.block_queries = std::min<int64_t>(length, std::max<int64_t>(1, 64 / group));
   const Kernels& kernels = best_kernels();
-  const int64_t pairs = batch * kv_heads;
-  const bool worth_threads = batch * heads * positions * head_dim >= (64 << 10);
-  parallel_for(worth_threads ? pairs : 1, [&](int64_t t) {
-    std::vector<float> scores(heads / kv_heads * positions);
-    if (worth_threads) kernels.attention_groups(p, t, t + 1, scores.data());
-    else kernels.attention_groups(p, 0, pairs, scores.data());
+  const int64_t items = attention_items(p);
+  const bool worth_threads = batch * heads * length * positions * head_dim >= (64 << 10);
+  parallel_for(worth_threads ? items : 1, [&](int64_t t) {
+    std::vector<float> scratch(attention_scratch(p));
+    if (worth_threads) kernels.attention(p, t, t + 1, scratch.data());
+    else kernels.attention(p, 0, items, scratch.data());
   });
   store(p.out, out);
 }
@@ -483,21 +488,41 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
                    {ids, w, scales, biases});
 }
 
-mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
-                              float scale, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+mx::array attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
+                    const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s) {
   for (const auto* a : {&queries, &keys, &values}) check_float(*a, "queries, keys and values");
-  if (queries.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || queries.shape(2) != 1 ||
-      queries.shape(0) != keys.shape(0) || queries.shape(3) != keys.shape(3) || keys.shape(1) == 0 ||
-      queries.shape(1) % keys.shape(1) || keys.dtype() != values.dtype())
+  if (queries.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape() || queries.shape(0) != keys.shape(0) ||
+      queries.shape(3) != keys.shape(3) || keys.shape(1) == 0 || queries.shape(1) % keys.shape(1) ||
+      keys.dtype() != values.dtype())
     throw std::invalid_argument(
-        "mlx_tfm kernels: attention needs queries (B, H, 1, D) and keys, values (B, H_kv, S, D) of one dtype, "
+        "mlx_tfm kernels: attention needs queries (B, H, L, D) and keys, values (B, H_kv, S, D) of one dtype, "
         "H a multiple of H_kv");
+  if (causal && queries.shape(2) > keys.shape(2))
+    throw std::invalid_argument("mlx_tfm kernels: causal attention needs no more queries than positions");
   if (mask && (mask->dtype() != mx::bool_ || mask->ndim() != 4 || mask->shape(1) != 1 || mask->shape(2) != 1 ||
                mask->shape(3) != keys.shape(2) || (mask->shape(0) != 1 && mask->shape(0) != keys.shape(0))))
     throw std::invalid_argument("mlx_tfm kernels: attention's mask must be boolean (B or 1, 1, 1, S)");
+  const mx::Stream stream = cpu_stream(s);
+  // Gradients (a prompt's attention in training) through the fused op, with the same mask:
+  // the row mask broadcasts over the queries, causal alignment is the fused op's own.
+  auto reference = [scale, causal, stream](const std::vector<mx::array>& in) {
+    std::string mask_mode = causal && in.size() == 3 ? "causal" : "";
+    std::optional<mx::array> mask_array;
+    if (in.size() > 3) {
+      mask_array = in[3];
+      if (causal) {
+        const int L = in[0].shape(2), S = in[1].shape(2);
+        auto rows = mx::reshape(mx::arange(S - L, S, stream), {L, 1}, stream);
+        auto columns = mx::reshape(mx::arange(0, S, stream), {1, S}, stream);
+        mask_array = mx::logical_and(*mask_array, mx::less_equal(columns, rows, stream), stream);
+      }
+    }
+    return std::vector<mx::array>{
+        mx::fast::scaled_dot_product_attention(in[0], in[1], in[2], scale, mask_mode, mask_array, {}, false, stream)};
+  };
   std::vector<mx::array> inputs{queries, keys, values};
   if (mask) inputs.push_back(*mask);
-  return mx::array(queries.shape(), queries.dtype(), std::make_shared<OneQueryAttention>(cpu_stream(s), scale),
+  return mx::array(queries.shape(), queries.dtype(), std::make_shared<Attention>(stream, reference, scale, causal),
                    std::move(inputs));
 }
 
@@ -685,17 +710,17 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   });
 }
 
-void OneQueryAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const float scale = scale_;
-  dispatch(stream(), inputs, out, [scale](const std::vector<mx::array>& in, mx::array& o) {
-    one_query_attention(in[0], in[1], in[2], scale, in.size() > 3 ? &in[3] : nullptr, o);
+  const bool causal = causal_;
+  dispatch(stream(), inputs, out, [scale, causal](const std::vector<mx::array>& in, mx::array& o) {
+    attention(in[0], in[1], in[2], scale, causal, in.size() > 3 ? &in[3] : nullptr, o);
   });
 }
 
-void OneQueryAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
-
-bool OneQueryAttention::is_equivalent(const mx::Primitive& other) const {
-  return scale_ == static_cast<const OneQueryAttention&>(other).scale_;
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  const auto& that = static_cast<const Attention&>(other);
+  return scale_ == that.scale_ && causal_ == that.causal_;
 }
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

@@ -25,12 +25,13 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
                          const mx::array& biases, int group_size, int bits,
                          mx::StreamOrDevice s = {});
 
-// Attention of one query position: queries (B, H, 1, D) over keys and values
-// (B, H_kv, S, D), H a multiple of H_kv (GQA): every position visible (a decoding step), or
-// those a boolean mask (B or 1, 1, 1, S) allows (rows of a batch that start at different slots).
-mx::array one_query_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
-                              float scale, const std::optional<mx::array>& mask = std::nullopt,
-                              mx::StreamOrDevice s = {});
+// Attention of queries (B, H, L, D) over keys and values (B, H_kv, S, D), H a multiple of
+// H_kv (GQA): every position visible, or those a boolean mask (B or 1, 1, 1, S) allows
+// (rows of a batch that start at different slots, an encoder's padding); causal: query l
+// sees positions up to S - L + l only (a prompt's chunk at the end of the cache).
+mx::array attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
+                    const std::optional<mx::array>& mask = std::nullopt, bool causal = false,
+                    mx::StreamOrDevice s = {});
 
 // dequantize(w, scales, biases) as float32 (n, k), on every core: a prompt's quantized
 // products then run as float32 BLAS.
@@ -173,16 +174,17 @@ class Dequantize : public mx::UnaryPrimitive {
   int group_size_, bits_;
 };
 
-class OneQueryAttention : public mx::UnaryPrimitive {
+class Attention : public Pointwise {
  public:
-  OneQueryAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+  Attention(mx::Stream stream, Reference reference, float scale, bool causal)
+      : Pointwise(stream, std::move(reference)), scale_(scale), causal_(causal) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override { return "MlxTfmOneQueryAttention"; }
+  const char* name() const override { return "MlxTfmAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
   float scale_;
+  bool causal_;
 };
 
 class MatVec : public mx::UnaryPrimitive {
