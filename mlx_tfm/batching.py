@@ -10,9 +10,9 @@ Every round of the engine (``Engine.step``):
    prefix the shared prompt cache holds (``PromptCachePool``) and joins the *prefill
    group*;
 3. runs one chunk of prompt through the prefill group (all its rows together, each
-   feeding the same number of its own tokens; ``prefill_step_size`` tokens in all while
-   streams are running, so they keep flowing while long prompts are read); a row whose
-   prompt is in (all but its last token) moves to the decoding batch;
+   feeding the same number of its own tokens, ``prefill_step_size`` tokens in all: one
+   forward pass's memory is bounded, and running streams keep flowing while long prompts
+   are read); a row whose prompt is in (all but its last token) moves to the decoding batch;
 4. runs one decoding step: every row of the batch feeds one token, at its own position,
    through one forward pass (``BatchKVCache``: per-row offsets and masks), and gets its
    next token from its own sampler, processors and random stream (``sample_rows``).
@@ -158,7 +158,7 @@ class Engine:
     """Continuous batching over one model; see the module docstring. Drive it with
     ``start()`` (one thread that owns MLX) or synchronously with ``step()``."""
 
-    def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step_size: int = 512,
+    def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step_size: int = 2048,
                  prompt_cache_bytes: int = 1 << 30, max_kv_size: int | None = None):
         check_vocabulary(model, tokenizer)
         if max_batch < 1 or prefill_step_size < 1 or prompt_cache_bytes < 0:
@@ -370,14 +370,13 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunk(self) -> None:
-        """Feed every prefilling row the same number of its next prompt tokens: at most
-        ``prefill_step_size`` in all while streams are running, else that many per row;
-        rows whose prompt is in join the decoding batch."""
+        """Feed every prefilling row the same number of its next prompt tokens, at most
+        ``prefill_step_size`` in all; rows whose prompt is in join the decoding batch."""
         self._join_prefilled()
         rows = self._prefilling
         if not rows:
             return
-        per_row = max(1, self.prefill_step_size // len(rows)) if self._running else self.prefill_step_size
+        per_row = max(1, self.prefill_step_size // len(rows))
         length = min(min(r.pending for r in rows), per_row)
         chunk = mx.array([r.tokens[r.fed : r.fed + length] for r in rows])  # (G, length)
         try:

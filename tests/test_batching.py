@@ -213,7 +213,9 @@ def test_prompts_are_read_together_when_idle_and_within_the_step_while_streams_r
     collector = Collector()
     for i, p in enumerate(prompts[:4]):
         engine.submit(Request(p, 30), collector(i))
-    engine.step()  # nothing was running: all four read in one chunk, and decoding starts
+    engine.step()  # nothing was running: all four join, 20 tokens in all per pass (5 each)
+    assert not engine._running and len(engine._prefilling) == 4 and all(r.fed == 5 for r in engine._prefilling)
+    engine.step()  # the second half of each: decoding starts
     assert len(engine._running) == 4 and not engine._prefilling
     for i, p in enumerate(prompts[4:], start=4):
         engine.submit(Request(p, 30), collector(i))

@@ -35,8 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chat-template-args", default="{}",
                         help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
     parser.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default: 16)")
-    parser.add_argument("--prefill-step-size", type=int, default=512,
-                        help="prompt tokens processed per step between decoding steps (default: 512)")
+    parser.add_argument("--prefill-step-size", type=int, default=2048,
+                        help="prompt tokens read per forward pass between decoding steps, over all prompts being "
+                             "read (default: 2048, as mlx_lm.server)")
     parser.add_argument("--prompt-cache-bytes", default="1GiB",
                         help="memory for cached prompt prefixes shared across requests, e.g. 512MB (default: 1GiB)")
     parser.add_argument("--max-kv-size", type=int, help="bound each request's KV cache to this many positions (rotating)")

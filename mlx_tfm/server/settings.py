@@ -31,7 +31,7 @@ class ServerSettings:
     min_p: float = 0.0
     chat_template_args: dict = field(default_factory=dict)
     max_batch: int = 16
-    prefill_step_size: int = 512
+    prefill_step_size: int = 2048
     prompt_cache_bytes: int = 1 << 30
     max_kv_size: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
