@@ -187,14 +187,20 @@ def test_quantized_rows_take_int32_ids_and_strided_ids():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", FLOATS)
-def test_dequantize_equals_mlx_dequantize(bits, group_size, scale_dtype):
-    weight, scales, biases = quantized(77, 3 * group_size, group_size, bits, FLOATS[scale_dtype])
-    weight, scales, biases = (a[5:66] for a in (weight, scales, biases))  # a row slice, at an offset
-    result = K.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
-    reference = dequantized(weight, scales, biases, group_size, bits)
-    assert result.dtype == mx.float32 and result.shape == reference.shape
-    # scale * q + bias, one rounding (fused) where MLX has two: relative to |scale * q| + |bias|
-    assert_close(result, reference, dequantized(weight, mx.abs(scales), mx.abs(biases), group_size, bits), 1)
+@pytest.mark.parametrize("m, n", [(96, 61), (181, 700), (3, 9000)])
+def test_dense_quantized_product_equals_mlx(bits, group_size, scale_dtype, m, n):
+    """A prompt's product through float32 BLAS, w dequantized by blocks of rows (9000 rows
+    of 128: more than one block), rows sliced at an offset (not at the buffer's start)."""
+    k = 128
+    weight, scales, biases = quantized(n + 7, k, group_size, bits, FLOATS[scale_dtype])
+    weight, scales, biases = (a[5 : n + 5] for a in (weight, scales, biases))
+    x = random((m, k))
+    result = K.quantized_matvec(x, weight, scales, biases, group_size=group_size, bits=bits, dense=True)
+    w32 = dequantized(weight, scales, biases, group_size, bits)
+    assert result.shape == (m, n) and result.dtype == (x[:1, :1] * scales[:1, :1]).dtype
+    # scale * q + bias, one rounding (fused) where MLX has two, then a k-term sum
+    magnitude = mx.abs(x) @ dequantized(weight, mx.abs(scales), mx.abs(biases), group_size, bits).T
+    assert_close(result, x @ w32.T, magnitude, k + 1)
 
 
 # -- attention of one query (a decoding step) ----------------------------------------------
@@ -349,22 +355,16 @@ def test_quantized_matvec_gradient_wrt_x_is_mlx_s():
     assert np.allclose(np.array(grad), np.array(ref), atol=1e-4)
 
 
-def test_a_product_behind_dequantize_stays_differentiable():
-    """A prompt's quantized product in training: the weight is dequantized after the
-    previous block (mx.depends), so the gradient reaches the kernel; the packed weight
-    gets none, the input gets MLX's own."""
+def test_dense_quantized_product_gradient_is_mlx_s():
+    """A prompt's quantized product in training: the input's gradient through float32 BLAS
+    against the dequantized weight, as MLX's own product gives it."""
     weight, scales, biases = quantized(40, 64, 32, 4)
-    x = random((3, 64))
-
-    def through_kernel(a):
-        dense = K.dequantize(mx.depends(weight, a), scales, biases, group_size=32, bits=4)
-        return (a @ dense.T).sum()
-
-    def through_mlx(a):
-        dense = mx.dequantize(weight, scales, biases, group_size=32, bits=4)
-        return (a @ dense.T).sum()
-
-    assert np.allclose(np.array(mx.grad(through_kernel)(x)), np.array(mx.grad(through_mlx)(x)), atol=1e-4)
+    x = random((100, 64))
+    grad = mx.grad(lambda a: (K.quantized_matvec(a, weight, scales, biases, group_size=32, bits=4, dense=True)
+                              * mx.arange(40)).sum())(x)
+    ref = mx.grad(lambda a: (mx.quantized_matmul(a, weight, scales, biases, group_size=32, bits=4)
+                             * mx.arange(40)).sum())(x)
+    assert np.allclose(np.array(grad), np.array(ref), atol=1e-3)
 
 
 # -- several products of one input (a layer's q, k, v; its gate and up) ------------------------
@@ -735,7 +735,8 @@ def test_decoding_products_take_the_kernels_and_prompt_chunks_do_not(monkeypatch
     mx.eval(quantized(random((1, 40, 128))), half(random((1, 40, 128), mx.float16)))
     assert calls[6:] == ["quantized_matvec"]  # 40 positions: a quantized layer stays on its kernel
     mx.eval(quantized(random((1, 100, 128))), half(random((1, 100, 128), mx.float16)))
-    assert calls[7:] == ["dequantize"]  # prompt chunks: float32 BLAS, the quantized weight dequantized by the kernel
+    # prompt chunks: float32 BLAS over blocks of the weight dequantized by the kernel
+    assert calls[7:] == ["blas_found", "quantized_matvec"]
 
 
 def test_a_model_decodes_the_same_with_and_without_kernels():

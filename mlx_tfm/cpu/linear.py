@@ -5,7 +5,9 @@ its ``quantized_matmul`` runs on one core and only with float32 scales, and floa
 bfloat16 products have no BLAS and run on one core too. So on the CPU:
 
 - a chunk of positions (a prompt, a training batch) multiplies in float32, the weight
-  made float32 just in time a block of rows at a time (``float32_product``);
+  made float32 just in time a block of rows at a time (``float32_product``; for a
+  quantized layer mlx_tfm's kernels take, inside one kernel call into one reused buffer:
+  ``dense_quantized_product``);
 - a few positions (decoding) keep the stored weight but split its rows over one CPU
   stream per core (``rows_in_parallel``): MLX runs each stream on a thread of its own.
   Quantized scales become float32 just in time.
@@ -125,6 +127,14 @@ def quantized_rows_product(x: mx.array, layer: nn.Module) -> mx.array:
     return rows_in_parallel(product_of_rows, weight.shape[0]).astype(x.dtype)
 
 
+def dense_quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
+    """``x @ W.T`` for a chunk of positions and a quantized ``layer`` mlx_tfm's kernels take:
+    one kernel call, float32 BLAS over blocks of the weight dequantized into one reused
+    buffer (no float32 copy of the layer ever exists)."""
+    return kernels().quantized_matvec(x, layer["weight"], layer["scales"], layer["biases"],
+                                      group_size=layer.group_size, bits=layer.bits, dense=True).astype(x.dtype)
+
+
 def is_half(weight: mx.array) -> bool:
     return weight.dtype in (mx.float16, mx.bfloat16)
 
@@ -232,12 +242,10 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if not on_cpu() or self.mode != "affine":
             return super().__call__(x)
-        if self.dense_is_faster(x):
-            # With the kernels' dequantization (every core, ~10x MLX's) blocks of 8 MiB: a
-            # whole layer of a small model, a few hundred rows of a large one; fewer and larger
-            # BLAS calls (OpenBLAS's threads yield between calls), a few MB more at a time.
-            block_bytes = 1 << 23 if kernels_take(self) else 1 << 18
-            y = float32_product(x, self.float32_rows, self["weight"].shape[0], block_bytes)
+        if self.dense_is_faster(x) and kernels_take(self) and kernels().blas_found():
+            y = dense_quantized_product(x, self)
+        elif self.dense_is_faster(x):
+            y = float32_product(x, self.float32_rows, self["weight"].shape[0])
         else:
             y = quantized_rows_product(x, self)
         if "bias" in self:
@@ -246,9 +254,6 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def float32_rows(self, start: int, stop: int, after: mx.array) -> mx.array:
         biases = self.get("biases")
-        if kernels_take(self):
-            return kernels().dequantize(mx.depends(self["weight"][start:stop], after), self["scales"][start:stop],
-                                        biases[start:stop], group_size=self.group_size, bits=self.bits)
         return mx.dequantize(
             mx.depends(self["weight"][start:stop], after), self["scales"][start:stop].astype(mx.float32),
             None if biases is None else biases[start:stop].astype(mx.float32),

@@ -102,11 +102,13 @@ class HFTokenizersBackend:
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
-            text = path.read_text(encoding="utf-8")
-            tokenizer = HFTokenizer.from_str(text)
+            tokenizer = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise UserError(f"{path} is not a readable tokenizer.json ({e})") from None
-        self._setup(tokenizer, _decoder_kind(json.loads(text).get("decoder")), add_bos)
+        # The decoder's own JSON (its pickled state), not a second parse of the whole file:
+        # a large vocabulary as Python objects would stay in the process's memory.
+        decoder = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder is not None else None
+        self._setup(tokenizer, _decoder_kind(decoder), add_bos)
 
     @classmethod
     def from_wordpiece_vocab(cls, path: Path, lowercase: bool) -> "HFTokenizersBackend":

@@ -24,13 +24,13 @@ NB_MODULE(_kernels, m) {
   m.def("matvec", &k::matvec, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x (..., k) @ w.T for a float32/float16/bfloat16 w (n, k).");
   m.def("quantized_matvec", &k::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
-        "x (..., k) @ dequantize(w).T for MLX's affine 4/8-bit layout.");
+        "group_size"_a, "bits"_a, "dense"_a = false, "stream"_a = nb::none(),
+        "x (..., k) @ dequantize(w).T for MLX's affine 4/8-bit layout; dense: through float32 BLAS by blocks "
+        "of dequantized rows (many positions).");
+  m.def("blas_found", &k::blas_found, "Whether the cblas_sgemm MLX multiplies with was found (dense products).");
   m.def("quantized_rows", &k::quantized_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "Rows ids of the dequantized w (a quantized embedding lookup).");
-  m.def("dequantize", &k::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
-        "stream"_a = nb::none(), "dequantize(w, scales, biases) as float32 (n, k), on every core.");
   m.def("attention", &k::attention, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false, "stream"_a = nb::none(),
         "Attention of queries (B, H, L, D) over keys, values (B, H_kv, S, D): every position visible, or those "

@@ -1,5 +1,7 @@
 #include "primitives.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -179,16 +181,53 @@ void product(const std::vector<mx::array>& in, int group_size, int bits, mx::arr
   store(y, out);
 }
 
-void dequantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                 mx::array& out) {
-  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits;
+// cblas_sgemm as MLX calls it: the optimized BLAS mlx_tfm loaded globally (blas.py), else
+// (macOS: Accelerate, or MLX's bundled BLAS) the one libmlx itself was linked with.
+using Sgemm = void (*)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                       const float* b, int ldb, float beta, float* c, int ldc);
+constexpr int CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112;
+
+Sgemm find_sgemm() {
+  if (void* global = dlsym(RTLD_DEFAULT, "cblas_sgemm")) return reinterpret_cast<Sgemm>(global);
+  Dl_info info;
+  void (*in_libmlx)(std::vector<mx::array>) = &mx::eval;
+  if (!dladdr(reinterpret_cast<void*>(in_libmlx), &info) || !info.dli_fname) return nullptr;
+  void* libmlx = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  return libmlx ? reinterpret_cast<Sgemm>(dlsym(libmlx, "cblas_sgemm")) : nullptr;
+}
+
+Sgemm sgemm() {
+  static const Sgemm found = find_sgemm();
+  return found;
+}
+
+// Rows of w dequantized per BLAS call: ~4 MiB of float32 (a whole layer of a small model),
+// in cache between the dequantization and the product; fewer and larger BLAS calls.
+constexpr int64_t DENSE_BLOCK_BYTES = 1 << 22;
+
+// x @ dequantize(w).T into out through float32 BLAS, a block of w's rows at a time in one
+// reused buffer: in = {x, w, scales, biases}.
+void dense_product(const std::vector<mx::array>& in, int group_size, int bits, mx::array& out) {
+  const mx::array& w = in[1];
+  const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = in[0].size() / k;
+  const int64_t groups = k / group_size, row_bytes = k * bits / 8, scale_bytes = groups * in[2].itemsize();
+  const float* x = as_float32(in[0]);
   std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
-  const QuantizedProduct p{contiguous_bytes(w, w_scratch), bits, group_size, n, k,
-                           contiguous_bytes(scales, s_scratch), contiguous_bytes(biases, b_scratch),
-                           real_of(scales.dtype()), nullptr, nullptr, 0, nullptr};
+  const uint8_t* wb = contiguous_bytes(w, w_scratch);
+  const uint8_t* sb = contiguous_bytes(in[2], s_scratch);
+  const uint8_t* bb = contiguous_bytes(in[3], b_scratch);
+  const int64_t block_rows = std::max<int64_t>(1, std::min<int64_t>(n, DENSE_BLOCK_BYTES / (4 * k)));
+  float* block = scratch(WEIGHT, block_rows * k);
+  float* y = result_buffer(out);
   const Kernels& kernels = best_kernels();
-  float* y = out.data<float>();
-  over_rows(n, k * bits / 8, [&](int64_t n0, int64_t n1) { kernels.dequantize_rows(p, y, n0, n1); });
+  for (int64_t n0 = 0; n0 < n; n0 += block_rows) {
+    const int64_t rows = std::min(block_rows, n - n0);
+    const QuantizedProduct p{wb + n0 * row_bytes, bits, group_size, rows, k, sb + n0 * scale_bytes,
+                             bb + n0 * scale_bytes, real_of(in[2].dtype()), nullptr, nullptr, 0, nullptr};
+    over_rows(rows, row_bytes, [&](int64_t r0, int64_t r1) { kernels.dequantize_rows(p, block, r0, r1); });
+    sgemm()(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, rows, k, 1.0f, x, k, block, k, 0.0f, y + n0, n);
+  }
+  store(y, out);
 }
 
 int64_t id_at(const uint8_t* bytes, mx::Dtype dtype, size_t i) {
@@ -461,21 +500,17 @@ mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
                    std::make_shared<MatVec>(cpu_stream(s)), {x, w});
 }
 
+bool blas_found() { return sgemm() != nullptr; }
+
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+                           const mx::array& biases, int group_size, int bits, bool dense, mx::StreamOrDevice s) {
   check_float(x, "x");
   check_quantized(w, scales, biases, group_size, bits);
   if (x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("mlx_tfm kernels: x's last axis must match w's width");
+  if (dense && !blas_found()) throw std::invalid_argument("mlx_tfm kernels: no cblas_sgemm for the dense route");
   return mx::array(with_last(x.shape(), w.shape(0)), mx::promote_types(x.dtype(), scales.dtype()),
-                   std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits), {x, w, scales, biases});
-}
-
-mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                     int bits, mx::StreamOrDevice s) {
-  check_quantized(w, scales, biases, group_size, bits);
-  return mx::array({w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
-                   std::make_shared<Dequantize>(cpu_stream(s), group_size, bits), {w, scales, biases});
+                   std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits, dense), {x, w, scales, biases});
 }
 
 mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
@@ -684,23 +719,11 @@ void MatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 
 void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int group_size = group_size_, bits = bits_;
-  dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
-    product(in, group_size, bits, o);
+  const bool dense = dense_;
+  dispatch(stream(), inputs, out, [group_size, bits, dense](const std::vector<mx::array>& in, mx::array& o) {
+    if (dense) dense_product(in, group_size, bits, o);
+    else product(in, group_size, bits, o);
   });
-}
-
-void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const int group_size = group_size_, bits = bits_;
-  dispatch(stream(), inputs, out, [group_size, bits](const std::vector<mx::array>& in, mx::array& o) {
-    dequantized(in[0], in[1], in[2], group_size, bits, o);
-  });
-}
-
-void Dequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
-
-bool Dequantize::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const Dequantize&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
 void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -866,6 +889,15 @@ std::vector<mx::array> QuantizedMatVec::vjp(const std::vector<mx::array>& primal
   std::vector<mx::array> grads;
   for (int arg : argnums) {
     if (arg != 0) throw std::invalid_argument("mlx_tfm kernels: quantized weights have no gradient");
+    if (dense_) {
+      // Many positions (training): float32 BLAS against the layer dequantized for the
+      // moment, not MLX's quantized_matmul, which runs on one core.
+      const mx::array weight = mx::dequantize(primals[1], primals[2], primals[3], group_size_, bits_, "affine",
+                                              std::nullopt, mx::float32, stream());
+      grads.push_back(mx::astype(mx::matmul(mx::astype(cotangents[0], mx::float32, stream()), weight, stream()),
+                                 primals[0].dtype(), stream()));
+      continue;
+    }
     grads.push_back(mx::astype(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false,
                                                     group_size_, bits_, "affine", stream()),
                                primals[0].dtype(), stream()));
@@ -880,11 +912,6 @@ std::vector<mx::array> no_gradient(const std::vector<mx::array>& primals, const 
   return grads;
 }
 
-std::vector<mx::array> Dequantize::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
-                                       const std::vector<int>& argnums, const std::vector<mx::array>&) {
-  return no_gradient(primals, argnums, stream());
-}
-
 std::vector<mx::array> QuantizedRows::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
                                           const std::vector<int>& argnums, const std::vector<mx::array>&) {
   return no_gradient(primals, argnums, stream());
@@ -892,7 +919,7 @@ std::vector<mx::array> QuantizedRows::vjp(const std::vector<mx::array>& primals,
 
 bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatVec&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && dense_ == o.dense_;
 }
 
 bool QuantizedRows::is_equivalent(const mx::Primitive& other) const {

@@ -15,10 +15,15 @@ namespace mx = mlx::core;
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
 // x (..., k) @ dequantize(w, scales, biases).T for MLX's affine layout, 4 or 8 bits,
-// group_size 32, 64 or 128: (..., n).
+// group_size 32, 64 or 128: (..., n). dense (many positions, a prompt): through float32
+// BLAS, w dequantized a cache-sized block of rows at a time into one buffer, which is all
+// the float32 weights that ever exist (needs blas_found()).
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits,
+                           const mx::array& biases, int group_size, int bits, bool dense = false,
                            mx::StreamOrDevice s = {});
+
+// Whether the cblas_sgemm MLX multiplies with was found (for quantized_matvec's dense route).
+bool blas_found();
 
 // Rows ids (...) of the dequantized w: (..., k), in the scales' type (an embedding lookup).
 mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
@@ -32,11 +37,6 @@ mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::arr
 mx::array attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
                     const std::optional<mx::array>& mask = std::nullopt, bool causal = false,
                     mx::StreamOrDevice s = {});
-
-// dequantize(w, scales, biases) as float32 (n, k), on every core: a prompt's quantized
-// products then run as float32 BLAS.
-mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                     int bits, mx::StreamOrDevice s = {});
 
 // x (..., d) / sqrt(mean(x^2) + eps) * weight (d,), as mx.fast.rms_norm: in float32,
 // rounded to the output's type before the weight multiplies.
@@ -157,23 +157,6 @@ class SiluMul : public Pointwise {
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
 };
 
-class Dequantize : public mx::UnaryPrimitive {
- public:
-  Dequantize(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  // The quantized inputs (packed integers, indices) carry no gradient: zeros, so a product
-  // that reaches them behind mx.depends (a prompt's blocks in training) stays differentiable.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "MlxTfmDequantize"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  int group_size_, bits_;
-};
-
 class Attention : public Pointwise {
  public:
   Attention(mx::Stream stream, Reference reference, float scale, bool causal)
@@ -200,8 +183,8 @@ class MatVec : public mx::UnaryPrimitive {
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatVec(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits, bool dense)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), dense_(dense) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -211,6 +194,7 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool dense_;
 };
 
 class QuantizedRows : public mx::UnaryPrimitive {
