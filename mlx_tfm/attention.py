@@ -3,7 +3,9 @@
 Shapes: queries (B, n_heads, L, head_dim); keys and values (B, n_kv_heads, S, head_dim),
 the KV heads never repeated (GQA and MQA broadcast them). ``mask`` is None, ``"causal"``
 (the last L of S positions, as the fused op aligns it), a boolean array (True = may
-attend) or an additive float array, broadcastable to (B, n_heads, L, S).
+attend), an additive float array, broadcastable to (B, n_heads, L, S), or ``CausalRows``
+(causal over a batch's rows that start at different slots: mlx_tfm's CPU kernel takes it
+in its two parts, every other route as the array it stands for).
 
 Keys and values from a ``QuantizedKVCache`` come as ``QuantizedKV`` (packed numbers, scales
 and biases); attention then multiplies by them with ``mx.quantized_matmul`` and never makes
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import QuantizedKV, window_mask
+from .cache import CausalRows, QuantizedKV, window_mask
 from .cpu import on_cpu
 from .cpu.attention import QUERY_BLOCK, attention_by_query_blocks, kernel_attention, kernel_takes
 from .cpu import quantized_attention as cpu_quantized
@@ -96,6 +98,10 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
     on the CPU mlx_tfm's kernel takes what it can (``cpu.attention.kernel_takes``), and
     else a chunk of more than ``QUERY_BLOCK`` queries goes a block at a time (less memory,
     the same numbers); everything else is ``mx.fast.scaled_dot_product_attention``."""
+    if isinstance(mask, CausalRows):
+        if on_cpu() and not isinstance(keys, QuantizedKV) and not softcap and kernel_takes(queries, mask.rows, sinks):
+            return kernel_attention(queries, keys, values, scale, mask.rows, causal=True)
+        mask = mask.array(queries.shape[2])
     if isinstance(keys, QuantizedKV):
         if on_cpu():
             scores_of = cpu_quantized.scores if cpu_quantized.kernel_takes(queries, keys) else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import RotatingKVCache
+from .cache import CausalRows, RotatingKVCache
 
 
 class BatchKVCache:
@@ -86,7 +86,9 @@ class BatchKVCache:
 
     def make_mask(self, length: int, window: int | None = None):
         """Mask for ``length`` new queries per row: causal, within the window, and never
-        on a row's empty slots. (B, 1, L, S) when rows differ; None or "causal" when not."""
+        on a row's empty slots. None or "causal" when the rows are aligned; when they
+        differ, (B, 1, 1, S) for one query, ``CausalRows`` for a chunk without a window,
+        else (B, 1, L, S)."""
         windows = [w for w in (window, self.window) if w is not None]
         window = min(windows) if windows else None
         total = self.used + length
@@ -101,6 +103,8 @@ class BatchKVCache:
         if aligned:
             return visible
         starts = mx.array(self.starts)[:, None, None]  # (B, 1, 1)
+        if window is None and length > 1:
+            return CausalRows((slots[None] >= starts)[:, None])  # rows (B, 1, 1, S)
         return (visible[None] & (slots[None] >= starts))[:, None]  # (B, 1, L, S)
 
     @property
@@ -126,23 +130,26 @@ class BatchKVCache:
         chosen.starts = [start - shift for start in starts]
         return chosen
 
-    def extend(self, other: "BatchKVCache") -> None:
-        """Append ``other``'s rows after these, right-aligning the two."""
-        if other.size == 0:
+    def extend(self, *others: "BatchKVCache") -> None:
+        """Append the rows of ``others`` after these, right-aligning them all: one copy of
+        every row however many caches join (joining one at a time would copy the rows
+        already here again for each)."""
+        parts = [cache for cache in (self, *others) if cache.size]
+        if len(parts) <= 1:
+            if parts and parts[0] is not self:
+                only = parts[0]
+                self.keys, self.values, self.used = only.keys, only.values, only.used
+                self.starts, self.offset = list(only.starts), only.offset
             return
-        if self.size == 0:
-            self.keys, self.values, self.used = other.keys, other.values, other.used
-            self.starts, self.offset = list(other.starts), other.offset
-            return
-        used = max(self.used, other.used)
-        template = (self.keys, self.values) if self.keys is not None else (other.keys, other.values)
-        if template[0] is not None:
+        used = max(cache.used for cache in parts)
+        template = next(((c.keys, c.values) for c in parts if c.keys is not None), None)
+        if template is not None:
             capacity = used + self.step
-            mine, theirs = self._aligned(used, capacity, *template), other._aligned(used, capacity, *template)
-            self.keys = mx.concatenate([mine[0], theirs[0]])
-            self.values = mx.concatenate([mine[1], theirs[1]])
-        self.starts = [s + used - self.used for s in self.starts] + [s + used - other.used for s in other.starts]
-        self.offset = mx.concatenate([self.offset, other.offset])
+            aligned = [cache._aligned(used, capacity, *template) for cache in parts]
+            self.keys = mx.concatenate([keys for keys, _ in aligned])
+            self.values = mx.concatenate([values for _, values in aligned])
+        self.starts = [s + used - cache.used for cache in parts for s in cache.starts]
+        self.offset = mx.concatenate([cache.offset for cache in parts])
         self.used = used
 
     def _aligned(self, used: int, capacity: int, keys_like: mx.array, values_like: mx.array):

@@ -352,21 +352,24 @@ class Engine:
         step (a first row always joins), so that a few prompts are read whole between
         decoding steps; with no stream to keep flowing, every request that fits the batch
         joins and their prompts are read together (the last first token comes soonest)."""
+        joining = []  # per admitted row, its cache per layer: they join the group together
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
             row = self._waiting[0]
             pending = row.prompt_length - 1 - self.pool.find(row.tokens, limit=row.prompt_length - 1)[1]
             budget = sum(r.pending for r in self._prefilling) + pending
             if self._prefilling and self._running and budget > self.prefill_step_size:
-                return
+                break
             self._waiting.popleft()
             entry, cached = self.pool.lookup(row.tokens, limit=row.prompt_length - 1)
             states = self.pool.prefix_states(entry, cached) if entry else [(None, None)] * len(self.windows)
             row.cached_tokens = row.fed = cached
-            for layer, (keys, values), window in zip(self._prefill_cache, states, self.windows):
-                layer.extend(BatchKVCache.for_row(keys, values, cached, window))
+            joining.append([BatchKVCache.for_row(keys, values, cached, window)
+                            for (keys, values), window in zip(states, self.windows)])
             self._prefilling.append(row)
             with self._stats_lock:
                 self._stats["prompt_tokens_total"] += row.prompt_length
+        for i, layer in enumerate(self._prefill_cache):
+            layer.extend(*(row_caches[i] for row_caches in joining))
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunk(self) -> None:

@@ -32,6 +32,21 @@ def window_mask(query_positions: mx.array, key_positions: mx.array, window: int 
     return visible
 
 
+@dataclass(frozen=True)
+class CausalRows:
+    """The causal mask of a chunk of L queries over rows that start at different slots,
+    kept in its two parts: query l of row b sees slot s when s <= S - L + l (causal, the
+    chunk at the end of the slots) and ``rows[b, 0, 0, s]`` (the row's own slots). A
+    kernel that takes both never builds the (B, 1, L, S) array; ``array`` builds it for
+    every other route."""
+
+    rows: mx.array  # (B, 1, 1, S) booleans
+
+    def array(self, length: int) -> mx.array:
+        slots = self.rows.shape[-1]
+        return self.rows & window_mask(mx.arange(slots - length, slots), mx.arange(slots), None)  # (B, 1, L, S)
+
+
 def growing_mask(offset: int, length: int, window: int | None):
     """The mask of ``length`` new queries over a cache that holds every position so far."""
     if window is None or offset + length <= window:

@@ -17,6 +17,8 @@ from mlx.utils import tree_map
 import mlx_tfm
 from mlx_tfm import generate, load, stream_generate
 from mlx_tfm.batch_cache import BatchKVCache, layer_windows
+from mlx_tfm.cache import CausalRows
+from mlx_tfm.cpu import generic_routes
 from mlx_tfm.batch_sampling import BatchSettings, RowSettings, sample_rows
 from mlx_tfm.batching import Engine, Request, SamplingParams, batch_generate
 from mlx_tfm.errors import UserError
@@ -145,10 +147,41 @@ def test_a_prefill_group_of_unequal_rows_gives_exact_logits():
         for layer, joined in zip(group, row):
             layer.extend(joined)
     chunk = rng.integers(3, 512, size=(3, 5))
+    mask = group[0].make_mask(5)  # causal over rows that start at slots 7, 0 and 5
+    assert isinstance(mask, CausalRows)
+    slots, queries, starts = np.arange(12), np.arange(7, 12), np.array([7, 0, 5])
+    expected = (slots[None, None, :] <= queries[None, :, None]) & (slots[None, None, :] >= starts[:, None, None])
+    np.testing.assert_array_equal(np.array(mask.array(5)), expected[:, None])
+    states = [(layer.keys, layer.values, layer.used, list(layer.starts), layer.offset) for layer in group]
     logits = np.array(model(mx.array(chunk), cache=group)[:, -1])
+    for layer, (keys, values, used, starts_, offset) in zip(group, states):  # the same chunk again, as Metal runs it
+        layer.keys, layer.values, layer.used, layer.starts, layer.offset = keys, values, used, starts_, offset
+    with generic_routes():
+        generic = np.array(model(mx.array(chunk), cache=group)[:, -1])
     for i, seq in enumerate(cached):
-        np.testing.assert_allclose(logits[i], full_forward_logits(model, seq + chunk[i].tolist()), atol=2e-4, rtol=1e-4)
+        expected_logits = full_forward_logits(model, seq + chunk[i].tolist())
+        np.testing.assert_allclose(logits[i], expected_logits, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(generic[i], expected_logits, atol=2e-4, rtol=1e-4)
     assert group[0].make_mask(1).shape == (3, 1, 1, group[0].used + 1)
+
+
+def test_rows_joining_together_equal_rows_joining_one_at_a_time():
+    """``extend`` with several caches (a prefill group admitted at once: one copy of each
+    row) gives the slots, starts and offsets of joining them one by one."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for n in (0, 6, 3, 9):
+        keys = mx.array(rng.normal(size=(1, 2, n, 4)).astype(np.float32)) if n else None
+        values = mx.array(rng.normal(size=(1, 2, n, 4)).astype(np.float32)) if n else None
+        rows.append(lambda keys=keys, values=values, n=n: BatchKVCache.for_row(keys, values, n + 1, None))
+    together, one_by_one = BatchKVCache(), BatchKVCache()
+    together.extend(*(make() for make in rows))
+    for make in rows:
+        one_by_one.extend(make())
+    assert together.starts == one_by_one.starts == [9, 3, 6, 0] and together.used == one_by_one.used == 9
+    np.testing.assert_array_equal(np.array(together.offset), np.array(one_by_one.offset))
+    for a, b in ((together.keys, one_by_one.keys), (together.values, one_by_one.values)):
+        np.testing.assert_array_equal(np.array(a[:, :, :9]), np.array(b[:, :, :9]))
 
 
 def test_windowed_batch_keeps_bounded_memory():

@@ -57,7 +57,8 @@ def row_mask(mask) -> mx.array | None:
     return None
 
 
-def kernel_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
-    """(B, n_heads, L, head_dim) over keys, values (B, n_kv_heads, S, head_dim)."""
-    causal = isinstance(mask, str) and queries.shape[2] > 1
+def kernel_attention(queries, keys, values, scale: float, mask=None, causal: bool = False) -> mx.array:
+    """(B, n_heads, L, head_dim) over keys, values (B, n_kv_heads, S, head_dim); causal
+    as well as a row mask when ``causal``."""
+    causal = (causal or isinstance(mask, str)) and queries.shape[2] > 1
     return kernels().attention(queries, keys, values, scale=scale, mask=row_mask(mask), causal=causal)
