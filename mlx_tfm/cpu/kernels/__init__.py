@@ -4,12 +4,12 @@ at hand; sources and CMakeLists.txt beside this file).
 
 The products of a few positions (decoding) that MLX's CPU backend runs slowly or on one
 core: ``matvec`` (float32 / float16 / bfloat16 weights), ``quantized_matvec`` (MLX's affine
-4- and 8-bit layout, group 32/64/128, float32 or half-precision scales), ``fused_products``
+4- and 8-bit layout, group 32/64/128, float32 or half-precision scales; ``dense=True`` for a
+prompt: float32 BLAS over blocks of dequantized rows, in one call), ``fused_products``
 (several products of one input in one call: q/k/v, optionally in attention's layout with
 RoPE applied; gate/up with silu on the way out) and ``quantized_rows`` (a quantized
 embedding lookup); attention (``attention``: a decoding step's query, a prompt's causal
-chunk, an encoder's padded rows); and the pointwise
-ops MLX runs as chains of scalar ops (``rms_norm``, ``rope``, ``silu_mul``, ``logsumexp``).
+chunk, an encoder's padded rows); and the pointwise ops MLX runs as chains of scalar ops (``rms_norm``, ``rope``, ``silu_mul``, ``logsumexp``).
 Each is a lazy MLX operation (a ``Primitive`` with ``eval_cpu``; gradients through MLX's
 own ops) that splits its work over a pool of one thread per core where it is large enough
 and uses the widest SIMD the CPU has (AVX-512, AVX2, else portable loops the compiler
