@@ -45,10 +45,13 @@ from .kernels import kernels
 from .switch import on_cpu
 
 
-def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx.array], out_dims: int,
-                    block_bytes: int = 1 << 18) -> mx.array:
+# float32 bytes of a block of rows made float32 at a time (float32_product)
+FLOAT32_BLOCK_BYTES = 1 << 18
+
+
+def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx.array], out_dims: int) -> mx.array:
     """``x @ W.T`` in float32, with W made float32 by ``float32_rows(start, stop, after)``
-    a block of rows (about ``block_bytes`` of float32) at a time, each conversion starting
+    a block of rows (about ``FLOAT32_BLOCK_BYTES`` of float32) at a time, each conversion starting
     only after ``after`` (the previous block's product) is computed: else MLX would convert
     the weights of many layers ahead, since they depend on nothing else, and hold them all.
     A few blocks are still alive at once (MLX allocates the outputs of the tasks queued
@@ -58,7 +61,7 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
     x32 = x.astype(mx.float32)
     ready = x32
     outputs = []
-    step = max(1, block_bytes // (4 * x.shape[-1]))
+    step = max(1, FLOAT32_BLOCK_BYTES // (4 * x.shape[-1]))
     for start in range(0, out_dims, step):
         weight = float32_rows(start, min(start + step, out_dims), ready)  # (rows, in)
         ready = x32 @ weight.T
@@ -242,12 +245,12 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if not on_cpu() or self.mode != "affine":
             return super().__call__(x)
-        if self.dense_is_faster(x) and kernels_take(self) and kernels().blas_found():
-            y = dense_quantized_product(x, self)
-        elif self.dense_is_faster(x):
-            y = float32_product(x, self.float32_rows, self["weight"].shape[0])
-        else:
+        if not self.dense_is_faster(x):
             y = quantized_rows_product(x, self)
+        elif kernels_take(self) and kernels().blas_found():
+            y = dense_quantized_product(x, self)
+        else:
+            y = float32_product(x, self.float32_rows, self["weight"].shape[0])
         if "bias" in self:
             y = y + self["bias"]
         return y
