@@ -635,6 +635,11 @@ for name, dtype in (("f32", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat
 q, k, v = mx.random.normal((1, 6, 1, 70)), mx.random.normal((1, 2, 40, 70)), mx.random.normal((1, 2, 40, 70))
 ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
 errors["attention"] = float(mx.abs(K.attention(q, k, v, scale=0.1) - ref).max())
+# a head size of whole vectors: positions scored a tile of LANES at a time, a row mask
+q64, k64, v64 = mx.random.normal((2, 6, 1, 64)), mx.random.normal((2, 2, 45, 64)), mx.random.normal((2, 2, 45, 64))
+mask = mx.arange(45)[None, None, None, :] >= mx.array([0, 9])[:, None, None, None]
+ref = mx.fast.scaled_dot_product_attention(q64, k64, v64, scale=0.1, mask=mask)
+errors["tiled attention"] = float(mx.abs(K.attention(q64, k64, v64, scale=0.1, mask=mask) - ref).max())
 q = mx.random.normal((1, 6, 37, 70))
 ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mx.arange(40)[None] <= mx.arange(3, 40)[:, None])
 errors["causal attention"] = float(mx.abs(K.attention(q, k, v, scale=0.1, causal=True) - ref).max())

@@ -328,6 +328,31 @@ inline void softmax_visible(float* row, int64_t visible, int64_t through) {
   for (int64_t s = visible; s < through; ++s) row[s] = 0.0f;
 }
 
+// scores[g * positions + s] = scale * q_g . key s for the group's query heads (group, d),
+// LANES positions at a time: each position's products are summed lane-wise, then the
+// LANES sums come out of transposed_sums as one vector (a horizontal sum per position
+// cost more than its multiply-adds). d is a multiple of LANES. Returns the positions done
+// (the whole tiles); the caller scores the rest.
+template <Real R>
+int64_t group_scores(const float* q, int64_t group, const uint8_t* keys, int64_t key_bytes, int64_t positions,
+                     int64_t d, float scale, float* scores) {
+  const F sv = set1(scale);
+  int64_t s0 = 0;
+  for (; s0 + LANES <= positions; s0 += LANES) {
+    const uint8_t* tile = keys + s0 * key_bytes;
+    for (int64_t g = 0; g < group; ++g) {
+      F acc[LANES];
+      for (int t = 0; t < LANES; ++t) acc[t] = zero();
+      for (int64_t j = 0; j < d; j += LANES) {
+        const F qj = load(q + g * d + j);
+        for (int t = 0; t < LANES; ++t) acc[t] = fma(qj, load_real<R>(tile + t * key_bytes, j), acc[t]);
+      }
+      store(scores + g * positions + s0, mul(transposed_sums(acc), sv));
+    }
+  }
+  return s0;
+}
+
 // (batch, KV head) pairs [i0, i1): the group of query heads that share a KV head go
 // through its keys and values together, so each cached row is read from memory once for
 // all of them (then from L1), not once per query head.
@@ -341,14 +366,14 @@ void one_query_groups(const AttentionProblem& p, int64_t i0, int64_t i1, float* 
     const auto* keys = static_cast<const uint8_t*>(p.keys) + item * (b * p.key_strides[0] + kvh * p.key_strides[1]);
     const auto* values = static_cast<const uint8_t*>(p.values) + item * (b * p.value_strides[0] + kvh * p.value_strides[1]);
     const uint8_t* visible = p.mask ? p.mask + b * p.mask_row_stride : nullptr;
-    for (int64_t s = 0; s < positions; ++s) {
-      const void* key = keys + item * s * p.key_strides[2];
-      if (visible && !visible[s]) {
-        for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = -INFINITY;
-        continue;
-      }
-      for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = p.scale * dot_row<R>(q + g * d, key, d);
-    }
+    const int64_t key_bytes = item * p.key_strides[2];
+    int64_t s = d % LANES == 0 ? group_scores<R>(q, group, keys, key_bytes, positions, d, p.scale, scores) : 0;
+    for (; s < positions; ++s)
+      for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = p.scale * dot_row<R>(q + g * d, keys + s * key_bytes, d);
+    if (visible)
+      for (int64_t s = 0; s < positions; ++s)
+        if (!visible[s])
+          for (int64_t g = 0; g < group; ++g) scores[g * positions + s] = -INFINITY;
     float* out = p.out + (b * p.heads + kvh * group) * d;
     for (int64_t g = 0; g < group; ++g) softmax_visible(scores + g * positions, positions, positions);
     weighted_values_of<R>(group, scores, positions, positions, values, item * p.value_strides[2], d, out);

@@ -24,6 +24,21 @@ inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
+// Lane i = the sum of v[i]'s lanes, for LANES vectors: halves of pairs added level by level
+// (15 shuffle pairs in all, where 16 horizontal sums take 64 shuffles). The levels leave the
+// sums in the lane order 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15; one permute undoes it.
+inline F transposed_sums(const F* v) {
+  F a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: a[i] = (v[i], v[i + 8]), 8 lanes each
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit blocks: b[i] = (v[i], v[i + 8], v[i + 4], v[i + 12]), 4 lanes each
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // pairs within blocks: 2 lanes each
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+  const F sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
 inline F load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -93,6 +108,18 @@ inline F load_bf16(const uint16_t* p) {
 inline F load_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// Lane i = the sum of v[i]'s lanes, for LANES vectors (as the AVX-512 version: sums left
+// in the lane order 0 2 1 3 4 6 5 7, one permute undoes it).
+inline F transposed_sums(const F* v) {
+  F a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20), _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[i], a[i + 2], 0x44), _mm256_shuffle_ps(a[i], a[i + 2], 0xEE));
+  const F sums = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7));
+}
+
 constexpr bool HAS_NIBBLE_TABLE = false;
 inline F nibble_table(float, float) { return zero(); }
 inline void lookup_nibbles(const uint8_t*, F, F&, F&) {}
@@ -164,6 +191,13 @@ inline F load_u8(const uint8_t* p) {
   for (int i = 0; i < LANES; ++i) r.v[i] = static_cast<float>(p[i]);
   return r;
 }
+// Lane i = the sum of v[i]'s lanes, for LANES vectors.
+inline F transposed_sums(const F* v) {
+  F r;
+  for (int i = 0; i < LANES; ++i) r.v[i] = hsum(v[i]);
+  return r;
+}
+
 constexpr bool HAS_NIBBLE_TABLE = false;
 inline F nibble_table(float, float) { return zero(); }
 inline void lookup_nibbles(const uint8_t*, F, F&, F&) {}
