@@ -8,8 +8,9 @@ which RoPE and learned or sinusoidal positions read per row. Because the rows en
 together, "the last ``window`` positions" are the same slots for every row: a sliding
 window (or ``--max-kv-size``) is one bound on the slots kept, and memory stays bounded.
 
-A chunk of L new tokens per row is appended to every row at once (decoding: L = 1);
-rows join with ``extend`` and leave with ``select``.
+A chunk of L new tokens per row is appended to every row at once (decoding: L = 1); a
+row with fewer tokens to feed pads its chunk at the end, and ``drop_padding`` then moves
+those slots in front of its data. Rows join with ``extend`` and leave with ``select``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ class BatchKVCache:
         self.used += length
         self.offset = self.offset + length
         return self.keys[..., : self.used, :], self.values[..., : self.used, :]
+
+    def drop_padding(self, pads: list[int]) -> None:
+        """After a chunk in which row b's last ``pads[b]`` tokens were padding: move those
+        slots in front of the row's data (among its empty slots) and take its offset back
+        by as much, so every row still ends at slot ``used - 1``. A copy of the padded
+        rows' own slots: far cheaper than another forward pass for their shorter chunks."""
+        if not any(pads):
+            return
+        self.offset = self.offset - mx.array(pads, mx.int32)
+        for row, pad in enumerate(pads):
+            if pad == 0:
+                continue
+            start = self.starts[row]
+            for cache in (self.keys, self.values):  # (B, n_kv_heads, capacity, head_dim)
+                cache[row : row + 1, :, start + pad : self.used] = cache[row : row + 1, :, start : self.used - pad]
+            self.starts[row] = start + pad
 
     def _grow(self, keys: mx.array, values: mx.array, length: int) -> None:
         if self.window is not None:

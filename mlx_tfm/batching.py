@@ -10,7 +10,8 @@ Every round of the engine (``Engine.step``):
    prefix the shared prompt cache holds (``PromptCachePool``) and joins the *prefill
    group*;
 3. runs one chunk of prompt through the prefill group (all its rows together, each
-   feeding the same number of its own tokens, ``prefill_step_size`` tokens in all: one
+   feeding up to the same number of its own tokens, a row with fewer left padded so that
+   prompts of unequal length finish in one pass; ``prefill_step_size`` tokens in all: one
    forward pass's memory is bounded, and running streams keep flowing while long prompts
    are read); a row whose prompt is in (all but its last token) moves to the decoding batch;
 4. runs one decoding step: every row of the batch feeds one token, at its own position,
@@ -54,6 +55,8 @@ log = logging.getLogger("mlx_tfm.engine")
 MAX_TOP_LOGPROBS = 20
 # generation_tps in metrics() counts the tokens of the last this many seconds
 TPS_WINDOW_S = 10.0
+MAX_PADDING_SHARE = 0.25  # of a prefill chunk's positions (see chunk_length)
+PAD_TOKEN = 0  # what a padded position feeds; its keys and values are never visible
 
 
 @dataclass(frozen=True)
@@ -379,19 +382,22 @@ class Engine:
         rows = self._prefilling
         if not rows:
             return
-        per_row = max(1, self.prefill_step_size // len(rows))
-        length = min(min(r.pending for r in rows), per_row)
-        chunk = mx.array([r.tokens[r.fed : r.fed + length] for r in rows])  # (G, length)
+        length = chunk_length([r.pending for r in rows], max(1, self.prefill_step_size // len(rows)))
+        feeds = [min(r.pending, length) for r in rows]
+        chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
+                          for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end
         try:
             self.model(chunk, cache=self._prefill_cache)
+            for layer in self._prefill_cache:
+                layer.drop_padding([length - n for n in feeds])
             mx.eval([(layer.keys, layer.values) for layer in self._prefill_cache])
         except Exception as error:
             log.exception("prefill failed")
             self._fail(rows, error)
             self._prefilling, self._prefill_cache = [], empty_batch(self.windows)
             return
-        for row in rows:
-            row.fed += length
+        for row, n in zip(rows, feeds):
+            row.fed += n
         self._join_prefilled()
 
     def _join_prefilled(self) -> None:
@@ -614,6 +620,18 @@ class Engine:
         self._prefilling, self._prefill_cache = [], empty_batch(self.windows)
         self._running, self._decode_cache = [], empty_batch(self.windows)
         self._settings = self._keys = self._in_flight = None
+
+
+def chunk_length(pending: list[int], per_row: int) -> int:
+    """How many tokens a prefill chunk feeds each row (rows with fewer left are padded):
+    the most that keeps padding within ``MAX_PADDING_SHARE`` of the chunk. A forward pass
+    reads every weight whatever its length, so finishing the prompts of unequal length
+    together beats a pass for each remainder; the shortest remainder never pads."""
+    for length in sorted({min(p, per_row) for p in pending}, reverse=True):
+        padding = sum(length - min(p, length) for p in pending)
+        if padding <= MAX_PADDING_SHARE * length * len(pending):
+            return length
+    raise AssertionError("unreachable: the shortest remainder needs no padding")
 
 
 def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | list[int] = 256,

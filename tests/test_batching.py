@@ -20,7 +20,7 @@ from mlx_tfm.batch_cache import BatchKVCache, layer_windows
 from mlx_tfm.cache import CausalRows
 from mlx_tfm.cpu import generic_routes
 from mlx_tfm.batch_sampling import BatchSettings, RowSettings, sample_rows
-from mlx_tfm.batching import Engine, Request, SamplingParams, batch_generate
+from mlx_tfm.batching import Engine, Request, SamplingParams, batch_generate, chunk_length
 from mlx_tfm.errors import UserError
 from mlx_tfm.model import Model, ModelArgs
 from mlx_tfm.prompt_cache import TokenCache
@@ -165,6 +165,52 @@ def test_a_prefill_group_of_unequal_rows_gives_exact_logits():
     assert group[0].make_mask(1).shape == (3, 1, 1, group[0].used + 1)
 
 
+@pytest.mark.parametrize("variant", [
+    {}, {"position_embedding": "learned"},
+    {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+])
+def test_a_padded_chunk_gives_each_row_the_logits_of_its_own_tokens(variant):
+    """Rows with fewer prompt tokens left than the chunk pad it at their end; after
+    ``drop_padding`` every row ends at the last slot again and the padding is never seen:
+    the next tokens give each row the logits of its own tokens alone."""
+    model = tiny_model(seed=4, **variant)
+    windows = layer_windows(model, None)
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(3, 512, size=n).tolist() for n in (0, 7, 2, 4)]
+    group = [BatchKVCache(w) for w in windows]
+    for seq in sequences:
+        row = [BatchKVCache.for_row(None, None, 0, w) for w in windows]
+        if seq:
+            model(mx.array(seq)[None], cache=row)
+        for layer, joined in zip(group, row):
+            layer.extend(joined)
+    feeds = [5, 2, 5, 1]  # real tokens per row; the chunk is 5 long
+    chunk = [rng.integers(3, 512, size=n).tolist() + [0] * (5 - n) for n in feeds]
+    model(mx.array(chunk), cache=group)
+    for layer in group:
+        layer.drop_padding([5 - n for n in feeds])
+    for seq, row, n in zip(sequences, chunk, feeds):
+        seq += row[:n]
+    assert group[0].starts == [group[0].used - len(seq) for seq in sequences]
+    np.testing.assert_array_equal(np.array(group[0].offset), [len(seq) for seq in sequences])
+    for step in range(8):  # past the window of 6: the moved padding must stay out of it
+        inputs = [int(rng.integers(3, 512)) for _ in sequences]
+        for seq, token in zip(sequences, inputs):
+            seq.append(token)
+        logits = np.array(model(mx.array(inputs)[:, None], cache=group)[:, -1])
+        for i, seq in enumerate(sequences):
+            np.testing.assert_allclose(logits[i], full_forward_logits(model, seq), atol=2e-4, rtol=1e-4,
+                                       err_msg=f"row {i} step {step}")
+
+
+def test_chunk_length_pads_small_differences_and_never_a_short_row_much():
+    assert chunk_length([99, 98, 97, 96], 512) == 99  # one pass, 6 padded positions of 396
+    assert chunk_length([2000] + [50] * 10, 186) == 50  # padding 136 of each short row: no
+    assert chunk_length([40, 30], 32) == 32  # capped by the step; the 30 pads 2
+    assert chunk_length([3, 1], 512) == 1
+    assert chunk_length([7], 4) == 4
+
+
 def test_rows_joining_together_equal_rows_joining_one_at_a_time():
     """``extend`` with several caches (a prefill group admitted at once: one copy of each
     row) gives the slots, starts and offsets of joining them one by one."""
@@ -257,6 +303,24 @@ def test_prompts_are_read_together_when_idle_and_within_the_step_while_streams_r
     run_until_done(engine)
     for i, p in enumerate(prompts):
         assert collector.tokens(i) == reference_tokens(model, tokenizer, p, 30)[0]
+
+
+def test_prompts_of_unequal_length_are_read_in_one_pass(stories, golden):
+    """A group whose prompts differ by a few tokens (a shared prefix from the prompt cache,
+    or clients' prompts of different lengths) is read in one forward pass, each row padded
+    to the longest, and decodes what each prompt decodes alone."""
+    model, tokenizer = stories
+    ids = golden["generated_ids"]
+    prompts = [[1, *ids[i : i + n]] for i, n in enumerate((40, 37, 38, 35))]
+    engine = Engine(model, tokenizer)
+    collector = Collector()
+    for i, p in enumerate(prompts):
+        engine.submit(Request(p, 20), collector(i))
+    engine.step()
+    assert len(engine._running) == 4 and not engine._prefilling
+    run_until_done(engine)
+    for i, p in enumerate(prompts):
+        assert collector.tokens(i) == reference_tokens(model, tokenizer, p, 20)[0]
 
 
 @pytest.mark.parametrize("variant", [
