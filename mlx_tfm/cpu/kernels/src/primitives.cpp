@@ -66,17 +66,32 @@ float real_at(const uint8_t* bytes, Real type, size_t i) {
 // the small products themselves.
 enum Scratch { X32, X_PERMUTED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
 
-float* scratch(Scratch which, size_t count) {
-  thread_local std::vector<float> buffers[SCRATCH_COUNT];
-  std::vector<float>& buffer = buffers[which];
-  if (buffer.size() < count) buffer.resize(count);
-  return buffer.data();
+// Scratch starts on a cache line: a vector load from memory that does not (MLX's CPU
+// allocator hands out memory 8 bytes past malloc's) touches two lines, and the products
+// load their input once per multiply-add (a 16-position 4-bit product ran 1.4x faster).
+constexpr uintptr_t CACHE_LINE = 64;
+
+template <class T>
+T* on_cache_line(std::vector<T>& buffer, size_t count) {
+  const size_t slack = CACHE_LINE / sizeof(T);
+  if (buffer.size() < count + slack) buffer.resize(count + slack);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<T*>((start + CACHE_LINE - 1) & ~(CACHE_LINE - 1));
 }
 
+float* scratch(Scratch which, size_t count) {
+  thread_local std::vector<float> buffers[SCRATCH_COUNT];
+  return on_cache_line(buffers[which], count);
+}
+
+bool starts_on_cache_line(const void* data) { return reinterpret_cast<uintptr_t>(data) % CACHE_LINE == 0; }
+
 // x (any layout, float32 / float16 / bfloat16) as float32, row-major: its own memory when
-// it is that already, else a copy in scratch `which`.
-const float* as_float32(const mx::array& x, Scratch which = X32) {
-  if (x.dtype() == mx::float32 && x.flags().row_contiguous) return x.data<float>();
+// it is that already (and on a cache line, when `aligned`: for inputs a kernel reads
+// again and again), else a copy in scratch `which`.
+const float* as_float32(const mx::array& x, Scratch which = X32, bool aligned = false) {
+  if (x.dtype() == mx::float32 && x.flags().row_contiguous && (!aligned || starts_on_cache_line(x.data<void>())))
+    return x.data<float>();
   float* out = scratch(which, x.size());
   std::vector<uint8_t> bytes_scratch;
   const uint8_t* bytes = contiguous_bytes(x, bytes_scratch);
@@ -129,7 +144,7 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
   const int per_weight = quantized ? 3 : 1;
   const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
   const Kernels& kernels = best_kernels();
-  const float* x32 = as_float32(x);
+  const float* x32 = as_float32(x, X32, bits != 4);  // 4 bits read a permuted copy
   const float* x_read = x32;
   float* sums = nullptr;
   if (quantized) {
@@ -211,7 +226,7 @@ void dense_product(const std::vector<mx::array>& in, int group_size, int bits, m
   const mx::array& w = in[1];
   const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = in[0].size() / k;
   const int64_t groups = k / group_size, row_bytes = k * bits / 8, scale_bytes = groups * in[2].itemsize();
-  const float* x = as_float32(in[0]);
+  const float* x = as_float32(in[0], X32, true);
   std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
   const uint8_t* wb = contiguous_bytes(w, w_scratch);
   const uint8_t* sb = contiguous_bytes(in[2], s_scratch);
@@ -275,7 +290,7 @@ void attention(const mx::array& queries, const mx::array& keys, const mx::array&
                const mx::array* mask, mx::array& out) {
   const int64_t batch = queries.shape(0), heads = queries.shape(1), length = queries.shape(2);
   const int64_t head_dim = queries.shape(3), kv_heads = keys.shape(1), positions = keys.shape(2);
-  const float* q = as_float32(queries);
+  const float* q = as_float32(queries, X32, true);
   // Each position's values must be contiguous; a cache's keys and values are, whatever
   // their other strides (a slice of a larger buffer).
   std::vector<uint8_t> k_scratch, v_scratch;
@@ -306,9 +321,10 @@ void attention(const mx::array& queries, const mx::array& keys, const mx::array&
   const int64_t items = attention_items(p);
   const bool worth_threads = batch * heads * length * positions * head_dim >= (64 << 10);
   parallel_for(worth_threads ? items : 1, [&](int64_t t) {
-    std::vector<float> scratch(attention_scratch(p));
-    if (worth_threads) kernels.attention(p, t, t + 1, scratch.data());
-    else kernels.attention(p, 0, items, scratch.data());
+    std::vector<float> buffer;
+    float* scratch = on_cache_line(buffer, attention_scratch(p));
+    if (worth_threads) kernels.attention(p, t, t + 1, scratch);
+    else kernels.attention(p, 0, items, scratch);
   });
   store(p.out, out);
 }
