@@ -336,7 +336,7 @@ def http_part(folders: dict[str, Path], models: list[str], clients: list[int], a
     rows = []
     for name in models:
         prompts = prompt_texts(folders[name], max(clients) + 1, args.prompt_tokens)
-        for library in ("mlx-tfm", "mlx_lm.server"):
+        for library in args.servers.split(","):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             server = start_server(library, folders[name], port)
@@ -448,6 +448,8 @@ def main() -> None:
     parser.add_argument("--part", default="engine,http", help="engine, http, soak (comma-separated)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--servers", default="mlx-tfm,mlx_lm.server",
+                        help="the servers of the http part, in this order (one alone: no ratios)")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the soak")
@@ -462,6 +464,9 @@ def main() -> None:
     parts = args.part.split(",")
     models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
+    unknown = set(args.servers.split(",")) - {"mlx-tfm", "mlx_lm.server"}
+    if unknown:
+        parser.error(f"--servers: unknown {', '.join(sorted(unknown))} (mlx-tfm, mlx_lm.server)")
     print(f"BLAS: {blas_description()}; {os.cpu_count()} CPUs")
     if "engine" in parts:
         engine_part(folders, models, clients, args)

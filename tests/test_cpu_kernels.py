@@ -622,7 +622,7 @@ ISA_CHECK = """
 import json, mlx_tfm, mlx.core as mx, numpy as np
 from mlx_tfm.cpu.kernels import _kernels as K
 mx.random.seed(3)
-x = mx.random.normal((3, 320))
+x = mx.random.normal((11, 320))  # a chunk of 8 positions and one of 3
 errors = {}
 for bits in (4, 8):
     w, s, b = mx.quantize(mx.random.normal((77, 320)), group_size=64, bits=bits)

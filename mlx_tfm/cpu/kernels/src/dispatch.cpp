@@ -1,4 +1,5 @@
 // Picks the instruction set at run time from what the CPU reports.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -30,12 +31,19 @@ const Kernels& best_kernels() {
   return chosen;
 }
 
-void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes) {
+void arrange_for_nibbles(const float* x, float* out, int64_t m, int64_t k, int lanes) {
   const int64_t block = 2 * lanes;
-  for (int64_t start = 0; start < k; start += block) {
-    for (int i = 0; i < lanes; ++i) {
-      out[start + i] = x[start + 2 * i];
-      out[start + lanes + i] = x[start + 2 * i + 1];
+  for (int64_t m0 = 0; m0 < m; m0 += MAX_POSITIONS) {
+    const int64_t chunk = std::min<int64_t>(MAX_POSITIONS, m - m0);
+    for (int64_t i = 0; i < chunk; ++i) {
+      const float* row = x + (m0 + i) * k;
+      for (int64_t start = 0; start < k; start += block) {
+        float* to = out + m0 * k + ((start / block) * chunk + i) * block;
+        for (int j = 0; j < lanes; ++j) {
+          to[j] = row[start + 2 * j];
+          to[lanes + j] = row[start + 2 * j + 1];
+        }
+      }
     }
   }
 }

@@ -21,10 +21,9 @@ struct FloatProduct {
 
 // The same for MLX's affine quantization: w (n, k * bits / 8) bytes, value j of a row in
 // bits j*bits.. of its little-endian words; scales and biases (n, k / group_size) of type
-// scale_type: w_value = scale * q + bias. x_permuted holds x (m, k) with each block of
-// 2 * LANES positions reordered as the kernel reads 4-bit rows (even positions, then odd;
-// see permute_for_nibbles); for 8 bits it is x as is. x_group_sums (m, k / group_size)
-// holds the sum of x over each group (what the biases multiply).
+// scale_type: w_value = scale * q + bias. For 4 bits x_permuted holds x arranged as the
+// kernel reads it (arrange_for_nibbles); for 8 bits it is x (m, k) as is. x_group_sums
+// (m, k / group_size) holds the sum of x over each group (what the biases multiply).
 struct QuantizedProduct {
   const uint8_t* w;
   int bits, group_size;
@@ -91,9 +90,15 @@ namespace generic { const Kernels& kernels(); }
 // The best set this CPU runs (MLX_TFM_KERNELS_ISA=avx2|generic caps it, for tests).
 const Kernels& best_kernels();
 
-// x (k,) reordered for 4-bit rows read LANES bytes at a time: in each block of 2 * lanes
-// positions, the even ones first, then the odd ones.
-void permute_for_nibbles(const float* x, float* out, int64_t k, int lanes);
+// The products compute up to this many positions (rows of x) per pass over the weights.
+constexpr int MAX_POSITIONS = 8;
+
+// x (m, k) arranged for 4-bit rows read LANES bytes at a time: in each block of 2 * lanes
+// values, the even ones first, then the odd ones (a byte holds two neighbours); and the
+// positions of each chunk of MAX_POSITIONS side by side, block by block (out[m0 * k +
+// (block * chunk + i) * 2 * lanes ...] for position m0 + i of the chunk at m0), so the
+// kernel reads every position's block at a fixed distance from one pointer.
+void arrange_for_nibbles(const float* x, float* out, int64_t m, int64_t k, int lanes);
 
 // The work items of an attention problem: (batch, KV head) pairs for one query, blocks
 // of block_queries positions of each pair for several; and the floats of scratch each

@@ -70,23 +70,26 @@ void float_rows_m(const FloatProduct& p, const float* x, float* y, int64_t n0, i
 // compile-time constant, so a group's loop unrolls whole.
 // 4 bits where a group's dequantized values fit one register (AVX-512): each value is
 // looked up already scaled and shifted, so a group costs one multiply-add per value.
+// x is arranged (arrange_for_nibbles): the M positions' blocks of 2 * LANES values side by
+// side, so each load is one pointer plus a constant.
 template <int GS, Real S, int M>
 void nibble_table_rows_m(const QuantizedProduct& p, const float* x, float* y, int64_t n0, int64_t n1) {
+  constexpr int BLOCK = 2 * LANES;
   const int64_t k = p.k, groups = k / GS, row_bytes = k / 2;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * row_bytes;
     const int64_t first_scale = n * groups;
     F acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
-    const float* xg = x;
-    for (int64_t g = 0; g < groups; ++g, w += GS / 2, xg += GS) {
+    const float* xb = x;
+    for (int64_t g = 0; g < groups; ++g) {
       const F table = nibble_table(scalar_real<S>(p.scales, first_scale + g), scalar_real<S>(p.biases, first_scale + g));
-      for (int j = 0; j < GS; j += 2 * LANES) {
+      for (int j = 0; j < GS; j += BLOCK, w += BLOCK / 2, xb += M * BLOCK) {
         F low, high;
-        lookup_nibbles(w + j / 2, table, low, high);
+        lookup_nibbles(w, table, low, high);
         for (int m = 0; m < M; ++m) {
-          acc[m][0] = fma(low, load(xg + m * k + j), acc[m][0]);
-          acc[m][1] = fma(high, load(xg + m * k + j + LANES), acc[m][1]);
+          acc[m][0] = fma(low, load(xb + m * BLOCK), acc[m][0]);
+          acc[m][1] = fma(high, load(xb + m * BLOCK + LANES), acc[m][1]);
         }
       }
     }
@@ -105,17 +108,19 @@ void quantized_rows_m(const QuantizedProduct& p, const float* x, const float* su
     F acc[M];
     float bias_acc[M] = {};
     for (int m = 0; m < M; ++m) acc[m] = zero();
-    const float* xg = x;
-    for (int64_t g = 0; g < groups; ++g, w += GROUP_BYTES, xg += GS) {
+    const float* xg = x;  // 8 bits: x (M, k) as is; 4 bits: arranged as for nibble_table_rows_m
+    for (int64_t g = 0; g < groups; ++g, w += GROUP_BYTES, xg += GS * (BITS == 4 ? M : 1)) {
       F dot[M][2];
       for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = zero();
       if constexpr (BITS == 4) {
-        for (int j = 0; j < GS; j += 2 * LANES) {
+        constexpr int BLOCK = 2 * LANES;
+        for (int j = 0; j < GS; j += BLOCK) {
           F low, high;
           load_nibbles(w + j / 2, low, high);
+          const float* xb = xg + j * M;
           for (int m = 0; m < M; ++m) {
-            dot[m][0] = fma(low, load(xg + m * k + j), dot[m][0]);
-            dot[m][1] = fma(high, load(xg + m * k + j + LANES), dot[m][1]);
+            dot[m][0] = fma(low, load(xb + m * BLOCK), dot[m][0]);
+            dot[m][1] = fma(high, load(xb + m * BLOCK + LANES), dot[m][1]);
           }
         }
       } else {
@@ -138,13 +143,12 @@ void quantized_rows_m(const QuantizedProduct& p, const float* x, const float* su
   }
 }
 
-constexpr int MAX_M = 8;
-
-// Calls kernel<M> for the positions in chunks of up to MAX_M (M a compile-time constant).
+// Calls kernel<M> for the positions in chunks of up to MAX_POSITIONS (M a compile-time constant).
 template <template <int> class Kernel, class... Args>
 void by_position_chunks(int64_t m_total, Args&&... args) {
-  for (int64_t m0 = 0; m0 < m_total; m0 += MAX_M) {
-    switch (m_total - m0 < MAX_M ? m_total - m0 : MAX_M) {
+  static_assert(MAX_POSITIONS == 8, "one case per chunk size");
+  for (int64_t m0 = 0; m0 < m_total; m0 += MAX_POSITIONS) {
+    switch (m_total - m0 < MAX_POSITIONS ? m_total - m0 : MAX_POSITIONS) {
       case 1: Kernel<1>::run(m0, args...); break;
       case 2: Kernel<2>::run(m0, args...); break;
       case 3: Kernel<3>::run(m0, args...); break;

@@ -156,9 +156,9 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
       sums[i] = total;
     }
     if (bits == 4) {
-      float* permuted = scratch(X_PERMUTED, m * k);
-      for (int64_t r = 0; r < m; ++r) permute_for_nibbles(x32 + r * k, permuted + r * k, k, kernels.lanes);
-      x_read = permuted;
+      float* arranged = scratch(X_PERMUTED, m * k);
+      arrange_for_nibbles(x32, arranged, m, k, kernels.lanes);
+      x_read = arranged;
     }
   }
   std::vector<std::vector<uint8_t>> copies(count * per_weight);
