@@ -1,7 +1,8 @@
 """The small operations of a decoding step on MLX's CPU backend, MLX's own against
-mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary and
-one query's attention over the cache, for 1 and 16 rows of the 135M Llama shape
-(examples/llama135m.py); and a prompt's causal attention (as many queries as positions).
+mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary,
+one query's attention over the cache and a 4-bit feed-forward product, for 1 and 16 rows
+of the 135M Llama shape (examples/llama135m.py); a prompt's causal attention (as many
+queries as positions); and 16 rows through the 4-bit tied head.
 
     python examples/benchmark_cpu_ops.py
 
@@ -65,7 +66,19 @@ def ops(rows: int, positions: int):
         (f"attention ({positions} positions)",
          lambda q: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
          lambda q: K.attention(q, keys, values, scale=scale), mx.random.normal((rows, HEADS, 1, HEAD_DIM))),
+        quantized_product(rows, FFN),
     ]
+
+
+def quantized_product(rows: int, out_dims: int):
+    """(name, MLX op, kernel op, input): ``rows`` positions through a 4-bit layer (group 64,
+    float32 scales) of HIDDEN inputs and ``out_dims`` outputs."""
+    K = kernels()
+    weight, scales, biases = mx.quantize(mx.random.normal((out_dims, HIDDEN)) * 0.02, group_size=64, bits=4)
+    return (f"4-bit product {HIDDEN} -> {out_dims}",
+            lambda x: mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=64, bits=4),
+            lambda x: K.quantized_matvec(x, weight, scales, biases, group_size=64, bits=4),
+            mx.random.normal((rows, HIDDEN)))
 
 
 def prompt_attention(positions: int):
@@ -93,10 +106,11 @@ def main() -> None:
             mx.eval(x)
             a, b = per_call_us(plain, x, args.calls), per_call_us(kernel, x, args.calls)
             print(f"| {name} | {rows} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
-    name, plain, kernel, x = prompt_attention(args.positions)
-    mx.eval(x)
-    a, b = per_call_us(plain, x, args.calls // 10), per_call_us(kernel, x, args.calls // 10)
-    print(f"| {name} | 1 | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
+    for rows, (name, plain, kernel, x) in ((1, prompt_attention(args.positions)),
+                                           (16, quantized_product(16, VOCAB))):  # the tied head
+        mx.eval(x)
+        a, b = per_call_us(plain, x, args.calls // 10), per_call_us(kernel, x, args.calls // 10)
+        print(f"| {name} | {rows} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":
