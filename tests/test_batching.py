@@ -132,13 +132,9 @@ def test_batched_logits_equal_single_row_logits(variant):
             inputs = [inputs[i] for i in keep]
 
 
-def test_a_prefill_group_of_unequal_rows_gives_exact_logits():
-    """Several rows prefilled together in chunks (their caches of different lengths) attend
-    only to their own positions."""
-    model = tiny_model(seed=3)
-    windows = layer_windows(model, None)
-    rng = np.random.default_rng(1)
-    cached = [rng.integers(3, 512, size=n).tolist() for n in (0, 7, 2)]
+def prefill_group(model, windows, cached: list[list[int]]) -> list[BatchKVCache]:
+    """One batched cache per layer whose rows each hold their own ``cached`` tokens (run
+    alone first, as the prompt cache hands them over), joined right-aligned."""
     group = [BatchKVCache(w) for w in windows]
     for seq in cached:
         row = [BatchKVCache.for_row(None, None, 0, w) for w in windows]
@@ -146,6 +142,17 @@ def test_a_prefill_group_of_unequal_rows_gives_exact_logits():
             model(mx.array(seq)[None], cache=row)
         for layer, joined in zip(group, row):
             layer.extend(joined)
+    return group
+
+
+def test_a_prefill_group_of_unequal_rows_gives_exact_logits():
+    """Several rows prefilled together in chunks (their caches of different lengths) attend
+    only to their own positions."""
+    model = tiny_model(seed=3)
+    windows = layer_windows(model, None)
+    rng = np.random.default_rng(1)
+    cached = [rng.integers(3, 512, size=n).tolist() for n in (0, 7, 2)]
+    group = prefill_group(model, windows, cached)
     chunk = rng.integers(3, 512, size=(3, 5))
     mask = group[0].make_mask(5)  # causal over rows that start at slots 7, 0 and 5
     assert isinstance(mask, CausalRows)
@@ -177,13 +184,7 @@ def test_a_padded_chunk_gives_each_row_the_logits_of_its_own_tokens(variant):
     windows = layer_windows(model, None)
     rng = np.random.default_rng(5)
     sequences = [rng.integers(3, 512, size=n).tolist() for n in (0, 7, 2, 4)]
-    group = [BatchKVCache(w) for w in windows]
-    for seq in sequences:
-        row = [BatchKVCache.for_row(None, None, 0, w) for w in windows]
-        if seq:
-            model(mx.array(seq)[None], cache=row)
-        for layer, joined in zip(group, row):
-            layer.extend(joined)
+    group = prefill_group(model, windows, sequences)
     feeds = [5, 2, 5, 1]  # real tokens per row; the chunk is 5 long
     chunk = [rng.integers(3, 512, size=n).tolist() + [0] * (5 - n) for n in feeds]
     model(mx.array(chunk), cache=group)
