@@ -21,7 +21,7 @@ struct FloatProduct {
 
 // The same for MLX's affine quantization: w (n, k * bits / 8) bytes, value j of a row in
 // bits j*bits.. of its little-endian words; scales and biases (n, k / group_size) of type
-// scale_type: w_value = scale * q + bias. For 4 bits x_permuted holds x arranged as the
+// scale_type: w_value = scale * q + bias. For 4 bits x_arranged holds x arranged as the
 // kernel reads it (arrange_for_nibbles); for 8 bits it is x (m, k) as is. x_group_sums
 // (m, k / group_size) holds the sum of x over each group (what the biases multiply).
 struct QuantizedProduct {
@@ -31,7 +31,7 @@ struct QuantizedProduct {
   const void* scales;
   const void* biases;
   Real scale_type;
-  const float* x_permuted;
+  const float* x_arranged;
   const float* x_group_sums;
   int64_t m;
   float* y;
@@ -92,6 +92,8 @@ const Kernels& best_kernels();
 
 // The products compute up to this many positions (rows of x) per pass over the weights.
 constexpr int MAX_POSITIONS = 8;
+
+constexpr int64_t CACHE_LINE_BYTES = 64;
 
 // x (m, k) arranged for 4-bit rows read LANES bytes at a time: in each block of 2 * lanes
 // values, the even ones first, then the odd ones (a byte holds two neighbours); and the

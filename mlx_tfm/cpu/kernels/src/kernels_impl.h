@@ -30,10 +30,9 @@ inline float scalar_real(const void* base, int64_t i) {
 }
 
 // How far ahead of the multiply-adds a float product asks for its weights: the hardware
-// prefetcher alone left a decoding step's weights streaming ~10% below this machine's read
-// bandwidth (two threads over 600 MB: 21-22 GB/s, 23-26 with this).
+// prefetcher alone left a decoding step's weights streaming below the memory's read
+// bandwidth (README, "CPU kernels").
 constexpr int64_t PREFETCH_BYTES = 4096;
-constexpr int64_t CACHE_LINE_BYTES = 64;
 
 template <Real R>
 constexpr int64_t real_bytes() { return R == Real::F32 ? 4 : 2; }
@@ -191,10 +190,10 @@ struct QuantizedKernel {
     static void run(int64_t m0, const QuantizedProduct& p, int64_t n0, int64_t n1) {
       const int64_t groups = p.k / GS;
       if constexpr (BITS == 4 && HAS_NIBBLE_TABLE) {
-        nibble_table_rows_m<GS, S, M>(p, p.x_permuted + m0 * p.k, p.y + m0 * p.n, n0, n1);
+        nibble_table_rows_m<GS, S, M>(p, p.x_arranged + m0 * p.k, p.y + m0 * p.n, n0, n1);
         return;
       }
-      quantized_rows_m<BITS, GS, S, M>(p, p.x_permuted + m0 * p.k, p.x_group_sums + m0 * groups,
+      quantized_rows_m<BITS, GS, S, M>(p, p.x_arranged + m0 * p.k, p.x_group_sums + m0 * groups,
                                    p.y + m0 * p.n, n0, n1);
     }
   };

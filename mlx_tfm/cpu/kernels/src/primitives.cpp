@@ -64,19 +64,18 @@ float real_at(const uint8_t* bytes, Real type, size_t i) {
 // Buffers a computation reuses from call to call on its thread (an MLX stream's): decoding
 // makes hundreds of calls a step, and fresh allocations of these sizes cost more than
 // the small products themselves.
-enum Scratch { X32, X_PERMUTED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
+enum Scratch { X32, X_ARRANGED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
 
 // Scratch starts on a cache line: a vector load from memory that does not (MLX's CPU
 // allocator hands out memory 8 bytes past malloc's) touches two lines, and the products
-// load their input once per multiply-add (a 16-position 4-bit product ran 1.4x faster).
-constexpr uintptr_t CACHE_LINE = 64;
-
+// load their input once per multiply-add (README, "CPU kernels", for what it saves).
 template <class T>
 T* on_cache_line(std::vector<T>& buffer, size_t count) {
-  const size_t slack = CACHE_LINE / sizeof(T);
+  const size_t slack = CACHE_LINE_BYTES / sizeof(T);
   if (buffer.size() < count + slack) buffer.resize(count + slack);
   const uintptr_t start = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<T*>((start + CACHE_LINE - 1) & ~(CACHE_LINE - 1));
+  constexpr uintptr_t line = CACHE_LINE_BYTES;
+  return reinterpret_cast<T*>((start + line - 1) & ~(line - 1));
 }
 
 float* scratch(Scratch which, size_t count) {
@@ -84,7 +83,7 @@ float* scratch(Scratch which, size_t count) {
   return on_cache_line(buffers[which], count);
 }
 
-bool starts_on_cache_line(const void* data) { return reinterpret_cast<uintptr_t>(data) % CACHE_LINE == 0; }
+bool starts_on_cache_line(const void* data) { return reinterpret_cast<uintptr_t>(data) % CACHE_LINE_BYTES == 0; }
 
 // x (any layout, float32 / float16 / bfloat16) as float32, row-major: its own memory when
 // it is that already (and on a cache line, when `aligned`: for inputs a kernel reads
@@ -156,7 +155,7 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
       sums[i] = total;
     }
     if (bits == 4) {
-      float* arranged = scratch(X_PERMUTED, m * k);
+      float* arranged = scratch(X_ARRANGED, m * k);
       arrange_for_nibbles(x32, arranged, m, k, kernels.lanes);
       x_read = arranged;
     }
