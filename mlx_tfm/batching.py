@@ -177,6 +177,11 @@ class Engine:
         self.windows = layer_windows(model, max_kv_size)
         self.pool = PromptCachePool(prompt_cache_bytes)
         self._empty_caches = model.make_cache(max_kv_size=max_kv_size)  # context_room reads their kind
+        args = model.args
+        # Learned position embeddings have one row per position: a padded chunk's positions,
+        # padding included, must stay inside the table.
+        self._positions = (args.max_position_embeddings - args.position_offset
+                           if args.position_embedding == "learned" else None)
         self._ids = count(1)
         self._entropy = random.SystemRandom()
         self._lock = threading.Condition()
@@ -382,7 +387,10 @@ class Engine:
         rows = self._prefilling
         if not rows:
             return
-        length = chunk_length([r.pending for r in rows], max(1, self.prefill_step_size // len(rows)))
+        per_row = max(1, self.prefill_step_size // len(rows))
+        if self._positions is not None:
+            per_row = max(1, min(per_row, *(self._positions - r.fed for r in rows)))
+        length = chunk_length([r.pending for r in rows], per_row)
         feeds = [min(r.pending, length) for r in rows]
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
                           for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end

@@ -10,6 +10,7 @@ import threading
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_map
@@ -322,6 +323,45 @@ def test_prompts_of_unequal_length_are_read_in_one_pass(stories, golden):
     run_until_done(engine)
     for i, p in enumerate(prompts):
         assert collector.tokens(i) == reference_tokens(model, tokenizer, p, 20)[0]
+
+
+class RecordingPositions(nn.Module):
+    """A learned position table that remembers the largest position it was asked for."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = table
+        self.largest = -1
+
+    def __call__(self, positions: mx.array) -> mx.array:
+        self.largest = max(self.largest, int(positions.max()))
+        return self.table(positions)
+
+
+def test_padding_never_reaches_past_a_learned_position_table(stories):
+    """A row near the end of the context (most of its prompt cached) in a group of rows with
+    more to read: its padded positions stay inside the model's position table, and every
+    row decodes what it decodes alone."""
+    _, tokenizer = stories
+    model = tiny_model(seed=6, position_embedding="learned", max_position_embeddings=32)
+    rng = np.random.default_rng(7)
+    long_prompt = rng.integers(3, 512, size=30).tolist()
+    short_prompts = [rng.integers(3, 512, size=8).tolist() for _ in range(4)]
+    expected = {key: reference_tokens(model, tokenizer, p, 2)[0]
+                for key, p in [("long", long_prompt)] + list(enumerate(short_prompts))}
+    engine = Engine(model, tokenizer)
+    engine.submit(Request(long_prompt[:28], 1), Collector()("warm"))  # the prompt cache holds its first 28 tokens
+    run_until_done(engine)
+    recording = RecordingPositions(model.model.embed_positions)
+    model.model.embed_positions = recording
+    collector = Collector()
+    engine.submit(Request(long_prompt, 2), collector("long"))
+    for i, p in enumerate(short_prompts):
+        engine.submit(Request(p, 2), collector(i))
+    run_until_done(engine)
+    assert engine.metrics()["prompt_cache_hits"] >= 1 and recording.largest < 32  # the table holds 0..31
+    for key, tokens in expected.items():
+        assert collector.tokens(key) == tokens, key
 
 
 @pytest.mark.parametrize("variant", [
