@@ -44,6 +44,7 @@ import mlx.core as mx
 
 from .batch_cache import BatchKVCache, empty_batch, layer_windows, single_row_caches
 from .batch_sampling import BatchSettings, RowSettings, add_logit_bias, sample_rows, top_logprobs
+from .cpu.switch import prompt_layer_by_layer
 from .errors import UserError
 from .generate import TextPieces, check_vocabulary, context_room, encode_prompt
 from .prompt_cache import TokenCache
@@ -395,7 +396,8 @@ class Engine:
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
                           for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end
         try:
-            self.model(chunk, cache=self._prefill_cache)
+            with prompt_layer_by_layer():
+                self.model(chunk, cache=self._prefill_cache)
             for layer in self._prefill_cache:
                 layer.drop_padding([length - n for n in feeds])
             mx.eval([(layer.keys, layer.values) for layer in self._prefill_cache])

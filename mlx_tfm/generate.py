@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from .cache import DEFAULT_QUANTIZED_KV_START, KVQuantization, RotatingKVCache, check_quantizable, quantized_layers
+from .cpu.switch import prompt_layer_by_layer
 from .errors import UserError
 from .sample import LogitsProcessor, Sampler, greedy, log_normalizer
 from .text_to_text import decoder_for_prompt
@@ -95,7 +96,8 @@ def prefill(model, tokens: mx.array, cache: list, step_size: int = 512) -> None:
     """Run ``tokens`` (L,) through the model in chunks of ``step_size``, filling ``cache``.
     The logits are not needed: only the cache is evaluated."""
     for start in range(0, tokens.shape[0], step_size):
-        model(tokens[None, start : start + step_size], cache=cache)  # (1, chunk)
+        with prompt_layer_by_layer():
+            model(tokens[None, start : start + step_size], cache=cache)  # (1, chunk)
         mx.eval([c.state for c in cache])
         mx.clear_cache()
 

@@ -23,6 +23,7 @@ from .attention import attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .cpu import linear as cpu_linear
 from .cpu import pointwise as cpu_pointwise
+from .cpu.switch import evaluates_each_layer
 from .experts import SparseMoeBlock, clamped_swiglu
 from .positions import SinusoidalPositions, make_rope, position_ids
 from .relative_positions import relative_position_bias
@@ -500,11 +501,14 @@ class TransformerModel(nn.Module):
             h = self.embed_norm(h)
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
+        each_layer = L > 1 and evaluates_each_layer()  # a prompt, one layer's activations at a time
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if cross is None:
                 h = layer(h, masks[i], layer_cache)
             else:
                 h = layer(h, masks[i], layer_cache, cross[i])
+            if each_layer:
+                mx.eval(h)
         return self.norm(h) if self.args.final_norm else h
 
     def _stack_masks(self, mask, length: int, cache, dtype: mx.Dtype) -> list:

@@ -773,3 +773,53 @@ def test_info_says_the_kernels_are_not_used_on_a_gpu():
     from mlx_tfm.cli.info import kernels_description
 
     assert kernels_description(mx.Device(mx.gpu)).startswith("not used on Device(gpu, 0) (CPU only)")
+
+
+LAYER_BY_LAYER_CHECK = """
+import json, mlx_tfm, mlx.core as mx, mlx.nn as nn, numpy as np
+from mlx_tfm.cpu import specialize
+from mlx_tfm.cpu.switch import prompt_layer_by_layer
+from mlx_tfm.model import Model, ModelArgs
+args = ModelArgs.from_dict({"model_type": "llama", "hidden_size": 256, "intermediate_size": 1024,
+                            "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+                            "vocab_size": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+mx.random.seed(0)
+model = Model(args)
+nn.quantize(model, group_size=64, bits=4)
+specialize(model)
+mx.eval(model.parameters())
+tokens = mx.random.randint(0, 512, (1, 200))
+mx.eval(tokens)
+
+def read_prompt(layer_by_layer):
+    cache = model.make_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    if layer_by_layer:
+        with prompt_layer_by_layer():
+            model(tokens, cache=cache)
+    else:
+        model(tokens, cache=cache)
+    mx.eval([c.state for c in cache])
+    return mx.get_peak_memory() - before, [np.array(a) for c in cache for a in c.state]
+
+read_prompt(False)  # warm-up
+whole, whole_states = read_prompt(False)
+by_layer, by_layer_states = read_prompt(True)
+same = all(np.array_equal(a, b) for a, b in zip(whole_states, by_layer_states))
+print(json.dumps({"whole": whole, "by_layer": by_layer, "same": same}))
+"""
+
+
+def test_a_prompt_read_layer_by_layer_holds_fewer_activations_and_the_same_cache():
+    """``prompt_layer_by_layer`` (generate's and the engine's prefill): with the kernels a
+    layer is a few large operations, and MLX allocates the outputs of those queued ahead;
+    evaluating each layer's output first lowers MLX's peak, and the cache is bit for bit
+    the one a single graph fills. In a process of its own with the kernels on (this file
+    also runs with them off)."""
+    env = {**os.environ, "MLX_TFM_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", LAYER_BY_LAYER_CHECK], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["same"], report
+    assert report["by_layer"] < report["whole"], report

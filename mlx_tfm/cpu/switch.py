@@ -9,6 +9,7 @@ through the plain MLX routes (what Metal and CUDA run) on the same weights. Set
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 
 import mlx.core as mx
@@ -35,3 +36,25 @@ def generic_routes():
         yield
     finally:
         _enabled = before
+
+
+_prompt_layer_by_layer = contextvars.ContextVar("mlx_tfm_prompt_layer_by_layer", default=False)
+
+
+@contextlib.contextmanager
+def prompt_layer_by_layer():
+    """Within the block (this thread's), a chunk of several positions through a model
+    evaluates each layer's output before the next layer's graph is built, on the CPU.
+    MLX's CPU backend allocates the outputs of the operations queued ahead of the one
+    computing, and the kernels make a layer a few large operations, so otherwise several
+    layers' activations of a prompt are alive at once. For reading prompts only (generate's
+    prefill, the engine's): never around a gradient or a compiled function."""
+    token = _prompt_layer_by_layer.set(True)
+    try:
+        yield
+    finally:
+        _prompt_layer_by_layer.reset(token)
+
+
+def evaluates_each_layer() -> bool:
+    return _prompt_layer_by_layer.get() and on_cpu()
