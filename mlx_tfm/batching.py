@@ -181,7 +181,7 @@ class Engine:
         args = model.args
         # Learned position embeddings have one row per position: a padded chunk's positions,
         # padding included, must stay inside the table.
-        self._positions = (args.max_position_embeddings - args.position_offset
+        self._learned_positions = (args.max_position_embeddings - args.position_offset
                            if args.position_embedding == "learned" else None)
         self._ids = count(1)
         self._entropy = random.SystemRandom()
@@ -389,8 +389,8 @@ class Engine:
         if not rows:
             return
         per_row = max(1, self.prefill_step_size // len(rows))
-        if self._positions is not None:
-            per_row = max(1, min(per_row, *(self._positions - r.fed for r in rows)))
+        if self._learned_positions is not None:
+            per_row = max(1, min(per_row, *(self._learned_positions - r.fed for r in rows)))
         length = chunk_length([r.pending for r in rows], per_row)
         feeds = [min(r.pending, length) for r in rows]
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
