@@ -182,7 +182,7 @@ class Engine:
         # Learned position embeddings have one row per position: a padded chunk's positions,
         # padding included, must stay inside the table.
         self._learned_positions = (args.max_position_embeddings - args.position_offset
-                           if args.position_embedding == "learned" else None)
+                                   if args.position_embedding == "learned" else None)
         self._ids = count(1)
         self._entropy = random.SystemRandom()
         self._lock = threading.Condition()
