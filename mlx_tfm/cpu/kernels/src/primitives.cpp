@@ -225,7 +225,7 @@ void dense_product(const std::vector<mx::array>& in, int group_size, int bits, m
   const mx::array& w = in[1];
   const int64_t n = w.shape(0), k = w.shape(1) * 32 / bits, m = in[0].size() / k;
   const int64_t groups = k / group_size, row_bytes = k * bits / 8, scale_bytes = groups * in[2].itemsize();
-  const float* x = as_float32(in[0], X32, true);
+  const float* x = as_float32(in[0]);  // BLAS packs x itself: no copy onto a cache line
   std::vector<uint8_t> w_scratch, s_scratch, b_scratch;
   const uint8_t* wb = contiguous_bytes(w, w_scratch);
   const uint8_t* sb = contiguous_bytes(in[2], s_scratch);
@@ -709,11 +709,20 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevic
 
 namespace {
 
-// Allocates `out` and queues `compute` on the primitive's CPU stream, as MLX's own CPU
-// primitives do (the inputs stay alive until the stream has run it).
+// Whether `out` may be written over `in`'s memory: nothing else reads `in` (MLX's own
+// element-wise ops take such an input's buffer too), and it is laid out as `out` is.
+bool can_donate(const mx::array& in, const mx::array& out) {
+  return in.is_donatable() && in.dtype() == out.dtype() && in.flags().row_contiguous && in.data_size() == out.size();
+}
+
+// Allocates `out` (or gives it input `donor`'s memory, when it can take it) and queues
+// `compute` on the primitive's CPU stream, as MLX's own CPU primitives do (the inputs stay
+// alive until the stream has run it).
 template <class Compute>
-void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Compute compute) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Compute compute,
+              int donor = -1) {
+  if (donor >= 0 && can_donate(inputs[donor], out)) out.copy_shared_buffer(inputs[donor]);
+  else out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream);
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
@@ -792,8 +801,13 @@ std::vector<mx::Shape> LogSumExp::output_shapes(const std::vector<mx::array>& in
   return {with_last(inputs[0].shape(), 1)};
 }
 
+// The product is written over the gate when nothing else reads it: a prompt's FFN then holds
+// two (L, intermediate) activations at a time instead of three. Element by element, each
+// value is read before it is written.
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { silu_multiplied(in[0], in[1], o); });
+  dispatch(
+      stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { silu_multiplied(in[0], in[1], o); },
+      /*donor=*/0);
 }
 
 void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
