@@ -44,10 +44,11 @@ _prompt_layer_by_layer = contextvars.ContextVar("mlx_tfm_prompt_layer_by_layer",
 @contextlib.contextmanager
 def prompt_layer_by_layer():
     """Within the block (this thread's), a chunk of several positions through a model
-    evaluates each layer's output before the next layer's graph is built, on the CPU.
-    MLX's CPU backend allocates the outputs of the operations queued ahead of the one
-    computing, and the kernels make a layer a few large operations, so otherwise several
-    layers' activations of a prompt are alive at once. For reading prompts only (generate's
+    evaluates each sublayer's output (attention's, then the FFN's) before the next one's
+    graph is built, on the CPU. MLX's CPU backend allocates the outputs of the operations
+    queued ahead of the one computing, and the kernels make a layer a few large operations,
+    so otherwise several layers' activations of a prompt are alive at once (and, a layer
+    at a time, attention's and the FFN's together). For reading prompts only (generate's
     prefill, the engine's): never around a gradient or a compiled function."""
     token = _prompt_layer_by_layer.set(True)
     try:
@@ -56,5 +57,5 @@ def prompt_layer_by_layer():
         _prompt_layer_by_layer.reset(token)
 
 
-def evaluates_each_layer() -> bool:
+def evaluates_each_sublayer() -> bool:
     return _prompt_layer_by_layer.get() and on_cpu()
