@@ -95,6 +95,10 @@ def check_prompt_tokens(prompt: mx.array, vocab_size: int) -> None:
 def prefill(model, tokens: mx.array, cache: list, step_size: int = 512) -> None:
     """Run ``tokens`` (L,) through the model in chunks of ``step_size``, filling ``cache``.
     The logits are not needed: only the cache is evaluated."""
+    # Buffers MLX keeps from earlier work (a previous reply's decoding steps) are of other
+    # sizes than a prompt's activations: freed first, they are not held beside them at the
+    # pass that needs the most memory.
+    mx.clear_cache()
     for start in range(0, tokens.shape[0], step_size):
         with prompt_layer_by_layer():
             model(tokens[None, start : start + step_size], cache=cache)  # (1, chunk)
