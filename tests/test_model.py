@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_tfm.cache import KVCache, RotatingKVCache, window_mask
+from mlx_tfm.cpu.switch import prompt_layer_by_layer
 from mlx_tfm.loading import load_model
 from mlx_tfm.model import MLP, Model, ModelArgs, count_parameters, make_norm
 
@@ -29,6 +30,25 @@ def test_full_forward_equals_prefill_plus_cached_decode(variant):
     full = model(TOKENS)
     stepped = decode_in_pieces(model, TOKENS, model.make_cache())
     np.testing.assert_allclose(np.array(stepped), np.array(full), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "olmo2-post-sublayer"])
+def test_a_prompt_read_one_sublayer_at_a_time_gives_the_same_logits_and_cache(variant):
+    """``prompt_layer_by_layer`` (generate's prefill) evaluates the residual stream between
+    sublayers, wherever the norms sit: it changes when values are computed, never what."""
+    if variant == "olmo2-post-sublayer":
+        mx.random.seed(0)
+        model = Model(ModelArgs.from_dict({**BASE, "norm_placement": "post_sublayer"}))
+        mx.eval(model.parameters())
+    else:
+        model = build(variant)
+    whole_cache, by_sublayer_cache = model.make_cache(), model.make_cache()
+    whole = model(TOKENS, cache=whole_cache)
+    with prompt_layer_by_layer():
+        by_sublayer = model(TOKENS, cache=by_sublayer_cache)
+    assert np.array_equal(np.array(by_sublayer), np.array(whole))
+    for a, b in zip(whole_cache, by_sublayer_cache):
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.state, b.state))
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-style-mqa", "qwen3-qk-norm"])
