@@ -16,6 +16,9 @@ its kernels and with the pure MLX routes, alternating, who goes first too); the 
 - decode tok/s: (new tokens - 1) / time from the first new token to the last (64 greedy);
 - peak MB: the process's peak resident memory (``VmHWM``) less its size once the engine's
   modules are imported, before the model is loaded (weights, vocabulary, caches, buffers);
+- code MB: how much of that is code, the resident pages of executable mappings the run
+  paged in (the engine's and its libraries': MLX's, ggml's, the tokenizer's), measured at
+  the end of the run;
 - GB/s: bytes of weights a decoding step reads (every matrix once, the tied embedding as
   the output head) x decode tok/s, against the machine's read bandwidth measured at the
   start (a float32 matrix-vector product over 512 MB with numpy's BLAS on every core, and
@@ -244,10 +247,23 @@ def peak_rss_mb() -> float:
     raise SystemExit("error: no VmHWM in /proc/self/status (Linux only)")
 
 
+def code_rss_mb() -> float:
+    """Resident memory of this process's executable mappings (code), from /proc/self/smaps."""
+    total, executable = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 5 and "-" in fields[0] and len(fields[1]) == 4:  # a mapping: range perms offset dev inode
+                executable = "x" in fields[1]
+            elif executable and fields and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total * 1024 / 1e6
+
+
 def run_llama_cpp(path: Path, prompt: list[int], max_tokens: int, threads: int) -> dict:
     import llama_cpp
 
-    before = rss_mb()
+    before, code_before = rss_mb(), code_rss_mb()
     llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + max_tokens + 16, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
 
@@ -267,7 +283,7 @@ def run_llama_cpp(path: Path, prompt: list[int], max_tokens: int, threads: int) 
         stamps.append(time.perf_counter())
     return {"prompt_tps": len(prompt) / (stamps[0] - start),
             "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-            "peak_mb": peak_rss_mb() - before}
+            "peak_mb": peak_rss_mb() - before, "code_mb": code_rss_mb() - code_before}
 
 
 def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> dict:
@@ -282,7 +298,7 @@ def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> di
 
     if engine == "mlx-lm":
         import mlx_lm  # noqa: F401
-    before = rss_mb()
+    before, code_before = rss_mb(), code_rss_mb()
     if engine == "mlx-lm":
         import mlx_lm
 
@@ -294,7 +310,8 @@ def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> di
     tokenizer.eos_token_ids = set()  # every run makes max_tokens tokens
     list(generate(model, tokenizer, prompt[:8], max_tokens=4))  # warm up
     m = time_stream(generate(model, tokenizer, prompt, max_tokens=max_tokens), len(prompt))
-    return {"prompt_tps": m.prompt_tps, "decode_tps": m.generation_tps, "peak_mb": peak_rss_mb() - before}
+    return {"prompt_tps": m.prompt_tps, "decode_tps": m.generation_tps, "peak_mb": peak_rss_mb() - before,
+            "code_mb": code_rss_mb() - code_before}
 
 
 def child(args) -> None:
@@ -351,20 +368,22 @@ def main() -> None:
                 result = run_child(engine, fmt, args, prompt)
                 runs.setdefault((fmt, engine), []).append(result)
                 print(f"  {fmt:8} {engine:13} prompt {result['prompt_tps']:7.1f} tok/s  decode {result['decode_tps']:6.1f} tok/s  "
-                      f"peak {result['peak_mb']:6.0f} MB", flush=True)
-    print("\n| format | engine | prompt tok/s | decode tok/s | peak MB | weights GB/s (of %.0f) | decode vs llama.cpp |" % bandwidth)
-    print("|---|---|---|---|---|---|---|")
+                      f"peak {result['peak_mb']:6.0f} MB (code {result['code_mb']:4.1f})", flush=True)
+    print("\n| format | engine | prompt tok/s | decode tok/s | peak MB | of it code MB | weights GB/s (of %.0f) "
+          "| decode vs llama.cpp |" % bandwidth)
+    print("|---|---|---|---|---|---|---|---|")
     for fmt in formats:
         step_bytes = {"llama.cpp": gguf_step_bytes(args.folder / f"model-{GGUF_TYPES[fmt]}.gguf")}
         reference = max((r["decode_tps"] for r in runs.get((fmt, "llama.cpp"), [])), default=None)
         for engine in engines:
             rs = runs[(fmt, engine)]
             prompt_tps, decode_tps = max(r["prompt_tps"] for r in rs), max(r["decode_tps"] for r in rs)
-            peak = min(r["peak_mb"] for r in rs)
+            lowest = min(rs, key=lambda r: r["peak_mb"])
             nbytes = step_bytes.get(engine) or mlx_step_bytes(args.folder / fmt)
             ratio = f"{decode_tps / reference:.2f}x" if reference else "-"
             label = f"{fmt} ({GGUF_TYPES[fmt]})" if engine == "llama.cpp" else fmt
-            print(f"| {label} | {engine} | {prompt_tps:.1f} | {decode_tps:.1f} | {peak:.0f} | {nbytes * decode_tps / 1e9:.1f} | {ratio} |")
+            print(f"| {label} | {engine} | {prompt_tps:.1f} | {decode_tps:.1f} | {lowest['peak_mb']:.0f} | "
+                  f"{lowest['code_mb']:.1f} | {nbytes * decode_tps / 1e9:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":
