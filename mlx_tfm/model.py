@@ -387,6 +387,15 @@ BLOCK_NORMS = {
 }
 
 
+def settled(h: mx.array) -> mx.array:
+    """``h`` (B, L, D), evaluated now while a prompt is read one sublayer at a time
+    (``prompt_layer_by_layer``: after each attention and each FFN), so the next
+    sublayer's graph is built after; unchanged otherwise."""
+    if h.shape[1] > 1 and evaluates_each_sublayer():
+        mx.eval(h)
+    return h
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -414,13 +423,13 @@ class TransformerBlock(nn.Module):
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
             # The original Transformer: normalise after each residual addition.
-            h = self._settled(self.input_layernorm(x + self.self_attn(x, mask, cache)))
+            h = settled(self.input_layernorm(x + self.self_attn(x, mask, cache)))
             return self.post_attention_layernorm(h + self.mlp(h))
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
-            h = self._settled(x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache)))
+            h = settled(x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache)))
             if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
-                h = self._settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
+                h = settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
         if self.placement == "parallel":
             # Phi-2, Cohere: both sublayers read the same normalised x.
@@ -428,22 +437,14 @@ class TransformerBlock(nn.Module):
             return x + self.self_attn(normed, mask, cache) + self.mlp(normed)
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
-            h = self._settled(x + self.post_attention_layernorm(self.self_attn(x, mask, cache)))
+            h = settled(x + self.post_attention_layernorm(self.self_attn(x, mask, cache)))
             return h + self.post_feedforward_layernorm(self.mlp(h))
         # Gemma 2 and 3: normalise each sublayer's input and its output.
-        h = self._settled(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
+        h = settled(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def _scaled(self, y: mx.array) -> mx.array:
         return y * self.residual_scale if self.residual_scale != 1.0 else y
-
-    @staticmethod
-    def _settled(h: mx.array) -> mx.array:
-        """``h`` (B, L, D), evaluated now while a prompt is read one sublayer at a time
-        (``prompt_layer_by_layer``); the next sublayer's graph is built after."""
-        if h.shape[1] > 1 and evaluates_each_sublayer():
-            mx.eval(h)
-        return h
 
     def _without_residual(self, x: mx.array, mask, cache) -> mx.array:
         """The same sublayers and norms with no skip connections: each sublayer's output
@@ -509,14 +510,11 @@ class TransformerModel(nn.Module):
             h = self.embed_norm(h)
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
-        each_layer = L > 1 and evaluates_each_sublayer()  # a prompt, one sublayer's activations at a time
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if cross is None:
-                h = layer(h, masks[i], layer_cache)
+                h = settled(layer(h, masks[i], layer_cache))
             else:
-                h = layer(h, masks[i], layer_cache, cross[i])
-            if each_layer:
-                mx.eval(h)
+                h = settled(layer(h, masks[i], layer_cache, cross[i]))
         return self.norm(h) if self.args.final_norm else h
 
     def _stack_masks(self, mask, length: int, cache, dtype: mx.Dtype) -> list:
