@@ -7,16 +7,17 @@ from pathlib import Path
 import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
 import pytest
 
-# ../shared/data beside the checkout, or wherever MLX_TFM_TEST_DATA points (a clone elsewhere).
-DATA = Path(os.environ.get("MLX_TFM_TEST_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+# The fixtures kept in the repository (tests/data, SOURCES.md there says where each comes
+# from and its license), or wherever MLX_TFM_TEST_DATA points.
+DATA = Path(os.environ.get("MLX_TFM_TEST_DATA") or Path(__file__).resolve().parent / "data")
 
 
 def data_path(*parts: str) -> Path:
     """A fixture file from the test data folder; a missing one fails the test loudly."""
     path = DATA.joinpath(*parts)
     if not path.exists():
-        pytest.fail(f"test fixture {path} is missing: the tests need ../shared/data beside the checkout "
-                    "(or MLX_TFM_TEST_DATA set to that folder)")
+        pytest.fail(f"test fixture {path} is missing: the tests read tests/data (or the folder "
+                    "MLX_TFM_TEST_DATA names)")
     return path
 
 
