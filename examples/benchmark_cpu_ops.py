@@ -9,7 +9,7 @@ queries as positions); and 16 rows through the 4-bit tied head.
 Each op runs ``--calls`` times on distinct inputs in one graph (an input plus a small
 offset, so no call reuses another's result and no value drifts into subnormals), minus
 the time of making those inputs; MLX's ops are the ones the model runs where the kernels
-are off (RMSNorm, RoPE and SwiGLU compiled, as mlx_tfm/model.py and positions.py compile
+are off (RMSNorm, RoPE and SwiGLU compiled, as mlx_tfm/model/ and positions.py compile
 them). The machine should be otherwise idle.
 """
 
@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tfm.cpu.kernels import kernels, status
-from mlx_tfm.model import fused_rms_norm, gated_activation
-from mlx_tfm.positions import fused_rope
+from mlx_tfm.model.layers import fused_rms_norm, gated_activation
+from mlx_tfm.model.positions import fused_rope
 from llama135m import LLAMA_135M
 
 HIDDEN, FFN, VOCAB = LLAMA_135M["hidden_size"], LLAMA_135M["intermediate_size"], LLAMA_135M["vocab_size"]

@@ -47,7 +47,8 @@ def write_model(folder: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_tfm.model import Model, ModelArgs
+    from mlx_tfm.model.transformer import Model
+    from mlx_tfm.model.config import ModelArgs
 
     folder.mkdir(parents=True)
     mx.random.seed(0)

@@ -107,7 +107,7 @@ def bench_embeddings(root: Path) -> dict:
 def bench_t5(root: Path) -> dict:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from mlx_tfm.generate import generate_step
+    from mlx_tfm.generation.step import generate_step
 
     torch.manual_seed(0)
     reference = T5ForConditionalGeneration(T5Config(**T5_SMALL)).eval()

@@ -70,7 +70,8 @@ def write_tokenizer(folder: Path, text: str, vocab_size: int = 4096) -> None:
 
 def random_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
     """Hugging Face Llama tensor names (ours are the same), std 0.02 as at initialisation."""
-    from mlx_tfm.model import Model, ModelArgs
+    from mlx_tfm.model.transformer import Model
+    from mlx_tfm.model.config import ModelArgs
 
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))
@@ -91,7 +92,8 @@ def write_folder(folder: Path, config: dict, weights: dict[str, mx.array], token
 
 def quantized(config: dict, weights: dict[str, mx.array], group_size: int = 64, bits: int = 4):
     """The weights as nn.quantize stores them (weight, scales, biases per quantized layer)."""
-    from mlx_tfm.model import Model, ModelArgs
+    from mlx_tfm.model.transformer import Model
+    from mlx_tfm.model.config import ModelArgs
 
     model = Model(ModelArgs.from_dict(config))
     model.load_weights(list(weights.items()))

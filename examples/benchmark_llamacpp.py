@@ -62,7 +62,8 @@ def write_hf_folders(root: Path) -> None:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_tfm.model import Model, ModelArgs
+    from mlx_tfm.model.transformer import Model
+    from mlx_tfm.model.config import ModelArgs
 
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(LLAMA_135M))
@@ -292,7 +293,7 @@ def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> di
     sys.path.insert(0, str(Path(__file__).parent))
     from stream_timing import time_stream
 
-    import mlx_tfm.generate  # noqa: F401  (the modules loading imports: not the engine's memory)
+    import mlx_tfm.generation.step
     import mlx_tfm.loading  # noqa: F401
     import tokenizers  # noqa: F401
 

@@ -48,7 +48,7 @@ BUILD_VERSION = ".built-moe-v1"
 def random_moe_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
     """std 0.02 weights in mlx-lm's Mixtral layout (``block_sparse_moe.switch_mlp.*`` stacked)."""
     from mlx_tfm.families import model_args_from_config
-    from mlx_tfm.model import Model
+    from mlx_tfm.model.transformer import Model
 
     mx.random.seed(seed)
     model = Model(model_args_from_config(config))
@@ -91,7 +91,7 @@ def module_bytes(module) -> int:
 def weights_read_per_token(folder: Path, prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
     """(read, minimum, every expert) in MB per decoded token. ``read`` follows the routing of
     a greedy decoding run: per layer, the distinct experts chosen for the token."""
-    import mlx_tfm.experts as experts
+    import mlx_tfm.model.experts as experts
     from mlx_tfm.loading import load_model
 
     model, _ = load_model(folder)

@@ -149,7 +149,8 @@ def ratios(rows: list[tuple[str, str, int, Result]], ours: str, theirs: str) -> 
 
 def engine_ours(folder: Path, prompts: list[list[int]], max_tokens: int) -> Result:
     from mlx_tfm import load
-    from mlx_tfm.batching import Engine, Request, SamplingParams
+    from mlx_tfm.engine.loop import Engine
+    from mlx_tfm.engine.requests import Request, SamplingParams
 
     model, tokenizer = load(folder)
     mx.reset_peak_memory()

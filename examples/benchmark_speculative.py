@@ -243,7 +243,7 @@ def kv_table(folders, repeats: int, length: int = 4096) -> None:
     from mlx_lm.models import cache as lm_cache
 
     from mlx_tfm import load
-    from mlx_tfm.cache import KVQuantization, quantized_layers
+    from mlx_tfm.model.cache import KVQuantization, quantized_layers
 
     print(f"\n3. KV cache at {length} positions (random keys and values), then 8 decoding steps; "
           f"ms/token best of {repeats}, the caches taking turns")

@@ -18,9 +18,10 @@ from pathlib import Path
 import mlx_tfm  # noqa: F401  (before mlx: routes the BLAS)
 import mlx.core as mx
 
-from mlx_tfm.chat import ChatSession, Settings
+from mlx_tfm.chat.conversation import ChatSession, Settings
 from mlx_tfm.loading import load
-from mlx_tfm.model import Model, ModelArgs, count_parameters
+from mlx_tfm.model.transformer import Model, count_parameters
+from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.tokenizer import load_tokenizer
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K-hf"

@@ -29,7 +29,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_tfm.model import Model, ModelArgs
+from mlx_tfm.model.transformer import Model
+from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.training.data import ByteTokenizer, TokenWindows
 from mlx_tfm.training.plots import plot_grad_norm_profiles
 from mlx_tfm.training.trainer import TrainingArgs, layer_grad_norms, loss_fn, train

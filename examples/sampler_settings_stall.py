@@ -1,5 +1,5 @@
 """The stall a new sampler setting costs on MLX's CPU backend, with the setting compiled in
-as a constant (the old way) and passed as an array input (mlx_tfm.sample today).
+as a constant (the old way) and passed as an array input (mlx_tfm.generation.sampling today).
 
     python examples/sampler_settings_stall.py
 
@@ -16,7 +16,7 @@ os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="sampler_stall_")
 import mlx_tfm  # noqa: E402,F401  (routes BLAS before mlx.core loads)
 import mlx.core as mx  # noqa: E402
 
-from mlx_tfm.sample import apply_top_p, make_sampler  # noqa: E402
+from mlx_tfm.generation.sampling import apply_top_p, make_sampler
 
 VOCAB = 49152  # SmolLM's
 logprobs = mx.log(mx.softmax(mx.random.normal((1, VOCAB)), axis=-1))

@@ -10,21 +10,19 @@ route_blas()
 
 __version__ = "0.1.0"
 
-# `generate` is both a submodule and a function: importing the submodule binds the
-# package attribute `generate` to the module, so a lazy function would be shadowed by it.
-# Importing the functions here (mlx.core, after route_blas) binds the name to the function.
-from .generate import generate, stream_generate  # noqa: E402
-from .perplexity import perplexity  # noqa: E402  (the same: a submodule and a function)
-
-# The rest of the public API, imported lazily so `import mlx_tfm` stays cheap.
+# The public API, imported on first use so `import mlx_tfm` stays cheap (and mlx.core is
+# imported only after route_blas).
 _LAZY = {
     "load": ("mlx_tfm.loading", "load"),
-    "batch_generate": ("mlx_tfm.batching", "batch_generate"),
+    "generate": ("mlx_tfm.generation.stream", "generate"),
+    "stream_generate": ("mlx_tfm.generation.stream", "stream_generate"),
+    "batch_generate": ("mlx_tfm.engine.loop", "batch_generate"),
+    "perplexity": ("mlx_tfm.generation.perplexity", "perplexity"),
     "Model": ("mlx_tfm.model", "Model"),
     "ModelArgs": ("mlx_tfm.model", "ModelArgs"),
-    "encode": ("mlx_tfm.embeddings", "encode"),
-    "rerank": ("mlx_tfm.encoder_tasks", "rerank"),
-    "fill_mask": ("mlx_tfm.encoder_tasks", "fill_mask"),
+    "encode": ("mlx_tfm.encode.embeddings", "encode"),
+    "rerank": ("mlx_tfm.encode.tasks", "rerank"),
+    "fill_mask": ("mlx_tfm.encode.tasks", "fill_mask"),
 }
 
 
@@ -37,4 +35,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mlx_tfm' has no attribute {name!r}")
 
 
-__all__ = [*_LAZY, "generate", "stream_generate", "perplexity"]
+__all__ = [*_LAZY]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import re
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path

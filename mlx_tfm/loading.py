@@ -10,9 +10,11 @@ import mlx.core as mx
 from .cpu import specialize
 from .errors import UserError
 from .hub import resolve_model_path
-from .model import Model, ModelArgs
-from .sentence_modules import read_sentence_modules
-from .weights import build_model, has_safetensors, read_config, read_safetensors
+from .model.config import ModelArgs
+from .model.transformer import Model
+from .weights.build import build_model
+from .weights.files import has_safetensors, read_config, read_safetensors
+from .weights.sentence_modules import read_sentence_modules
 
 
 def readable_folder(path: Path) -> Path:
@@ -22,7 +24,9 @@ def readable_folder(path: Path) -> Path:
         return path
     if path.is_dir() and not any(path.glob("pytorch_model*.bin")):
         raise UserError(f"{path} has no *.safetensors weights")
-    from .convert.converter import convert_to_temporary  # an importer, only for foreign formats
+    from .convert.converter import (
+        convert_to_temporary,  # an importer, only for foreign formats
+    )
 
     return convert_to_temporary(path)
 
@@ -54,7 +58,7 @@ def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype
     folder = readable_folder(resolve_model_path(path_or_repo))
     model, config = load_model(folder, dtype, shard)
     if adapter_path is not None:
-        from .training.lora import load_adapters
+        from .weights.adapters import load_adapters
 
         load_adapters(model, adapter_path)
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))

@@ -5,7 +5,8 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-TEST_MODULES = {path.stem for path in TESTS.glob("test_*.py")}
+TEST_FILES = sorted(TESTS.rglob("test_*.py"))
+TEST_MODULES = {path.stem for path in TEST_FILES}
 
 
 def imported_names(path: Path) -> list[tuple[int, str]]:
@@ -31,7 +32,7 @@ def imports_of_test_modules(path: Path) -> list[str]:
 
 
 def test_no_test_module_or_fixture_imports_a_test_module():
-    files = sorted(TESTS.glob("test_*.py")) + sorted((TESTS / "fixtures").glob("*.py")) + [TESTS / "conftest.py"]
+    files = TEST_FILES + sorted((TESTS / "fixtures").glob("*.py")) + [TESTS / "conftest.py"]
     offenders = [line for path in files for line in imports_of_test_modules(path)]
     assert not offenders, "move shared helpers into tests/fixtures/:\n" + "\n".join(offenders)
 
@@ -48,3 +49,20 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
         assert offenders, text
     source.write_text("from fixtures.model_folders import tiny_llama_config\nimport conftest\n")
     assert not [n for _, n in imported_names(source) if n.split(".")[0] in TEST_MODULES]
+
+
+PACKAGE = TESTS.parent / "mlx_tfm"
+NOT_TESTS = {"fixtures", "data", "__pycache__"}
+
+
+def test_test_folders_mirror_the_package():
+    """tests/model/ tests mlx_tfm/model/, and so on: a folder here names a folder there."""
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in NOT_TESTS}
+    strays = sorted(f for f in folders if not (PACKAGE / f).is_dir())
+    assert not strays, f"test folders with no package folder of that name: {strays}"
+
+
+def test_test_file_names_are_unique():
+    """pytest imports test files by their base name: two of one name would collide."""
+    names = [path.name for path in TEST_FILES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

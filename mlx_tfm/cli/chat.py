@@ -1,7 +1,7 @@
 """`mlx-tfm chat`: talk to a model in the terminal.
 
 The conversation lives in ``mlx_tfm.chat.ChatSession`` (which keeps the KV cache between
-turns) and the slash commands in ``mlx_tfm.chat_commands``; this module reads lines
+turns) and the slash commands in ``mlx_tfm.chat.commands``; this module reads lines
 (prompt_toolkit on a terminal, plain ``input()`` when stdin is a pipe), streams answers
 and turns Ctrl-C into "stop this answer".
 
@@ -158,7 +158,7 @@ def read_message(reader) -> str:
     """One message: a line, or the lines between a line starting with \"\"\" and one
     ending with \"\"\" (Ollama's convention). EOF inside a block ends the block;
     Ctrl-C inside a block drops it (an empty message)."""
-    from ..chat_commands import MULTILINE_MARK
+    from ..chat.commands import MULTILINE_MARK
 
     line = reader.read(">>> ")
     if not line.lstrip().startswith(MULTILINE_MARK):
@@ -230,7 +230,7 @@ def stream_answer(session, message: str, screen: Screen) -> None:
 
 def repl(session, reader, screen: Screen) -> int:
     """Read messages and commands until /bye, Ctrl-D, or Ctrl-C at an empty prompt."""
-    from ..chat_commands import Quit, run_command
+    from ..chat.commands import Quit, run_command
     from ..errors import UserError
 
     while True:
@@ -259,11 +259,11 @@ def repl(session, reader, screen: Screen) -> int:
 def run(args) -> int:
     import mlx.core as mx
 
-    from ..chat import Settings, check_settings
+    from ..chat.conversation import Settings, check_settings
     from ..distributed.follow import chat_reader, chat_session
     from ..errors import UserError
+    from ..generation.text_to_text import check_decoder
     from ..loading import load
-    from ..text_to_text import check_decoder
     from .generate import choose_model
 
     settings = Settings(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_tfm.convert.converter import convert
+    from ..convert.converter import convert
 
     convert(
         args.hf_path,

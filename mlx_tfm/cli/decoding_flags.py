@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def add_arguments(parser) -> None:
-    from ..cache import DEFAULT_QUANTIZED_KV_START
+    from ..model.cache import DEFAULT_QUANTIZED_KV_START
 
     parser.add_argument("--draft-model", help="a smaller model with the same tokenizer, for speculative decoding")
     parser.add_argument("--num-draft-tokens", type=int, default=3,
@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 def check(args) -> None:
     """One-line ``UserError`` for settings no model could use."""
-    from ..speculative import check_settings
+    from ..generation.speculative import check_settings
 
     check_settings(args.num_draft_tokens, args.prompt_lookup_num_tokens, args.draft_model)
     quantization = kv_quantization(args)
@@ -50,8 +50,8 @@ def refuse_in_server(args) -> None:
 
 def check_model(args, model) -> None:
     """One-line ``UserError`` when the loaded model's caches cannot do what the flags ask."""
-    from ..cache import check_quantizable
-    from ..speculative import check_rollback
+    from ..generation.speculative import check_rollback
+    from ..model.cache import check_quantizable
 
     layers = model.make_cache(max_kv_size=args.max_kv_size)
     check_quantizable(layers, kv_quantization(args), model.args.head_dim)
@@ -61,7 +61,7 @@ def check_model(args, model) -> None:
 
 def kv_quantization(args):
     """The ``KVQuantization`` the flags ask for, or None."""
-    from ..cache import KVQuantization
+    from ..model.cache import KVQuantization
 
     if args.kv_bits is None:
         return None
@@ -70,8 +70,8 @@ def kv_quantization(args):
 
 def load_draft_model(args, tokenizer):
     """The draft model (None without --draft-model); its tokenizer must be the model's."""
+    from ..generation.speculative import check_draft_tokenizer
     from ..loading import load
-    from ..speculative import check_draft_tokenizer
 
     if args.draft_model is None:
         return None

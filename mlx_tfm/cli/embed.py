@@ -50,7 +50,7 @@ def note(message: str) -> None:
 
 
 def run(args) -> int:
-    from ..embeddings import check_encoder, encode
+    from ..encode.embeddings import check_encoder, encode
     from ..errors import UserError
     from ..loading import load
 

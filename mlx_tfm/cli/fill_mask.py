@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import json
 
-    from ..encoder_tasks import fill_mask
+    from ..encode.tasks import fill_mask
     from ..errors import UserError
     from ..loading import load
 

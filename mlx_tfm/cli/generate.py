@@ -55,11 +55,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..generate import check_vocabulary, format_stats, stream_generate
+    from ..generation.sampling import make_logits_processors, make_sampler
+    from ..generation.speculative import sync_draft_cache
+    from ..generation.step import check_vocabulary
+    from ..generation.stream import format_stats, stream_generate
+    from ..generation.token_cache import TokenCache
     from ..loading import load
-    from ..prompt_cache import TokenCache
-    from ..sample import make_logits_processors, make_sampler
-    from ..speculative import sync_draft_cache
 
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be at least 0, got {args.max_tokens}")
@@ -114,8 +115,8 @@ def run_text_to_text(args, model, tokenizer, sampler, processors) -> int:
     the encoder once; the decoder streams as a decoder-only model would. The flags that
     keep or reuse a decoder's cache of the prompt do not apply."""
     from ..errors import UserError
-    from ..generate import format_stats, stream_generate
-    from ..text_to_text import check_decoder
+    from ..generation.stream import format_stats, stream_generate
+    from ..generation.text_to_text import check_decoder
 
     check_decoder(model, "generate")
     for flag, value in (("--prompt-cache-file", args.prompt_cache_file), ("--max-kv-size", args.max_kv_size),

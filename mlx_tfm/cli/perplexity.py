@@ -44,8 +44,8 @@ class ProgressBar:
 
 
 def run(args) -> int:
+    from ..generation.perplexity import check_settings, perplexity
     from ..loading import load
-    from ..perplexity import check_settings, perplexity
 
     stride = args.sequence_length if args.stride is None else args.stride
     check_settings(args.sequence_length, stride, args.num_samples, args.batch_size)

@@ -25,7 +25,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import json
 
-    from ..encoder_tasks import rerank
+    from ..encode.tasks import rerank
     from ..errors import UserError
     from ..loading import load
     from .embed import note, read_lines

@@ -4,7 +4,6 @@ only, so no other command pays for them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import decoding_flags, sharding_flags
@@ -61,15 +60,9 @@ def read_api_key(args) -> str | None:
 
 
 def read_template_args(text: str) -> dict:
-    from ..errors import UserError
+    from ..jsonfile import parse_json
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--chat-template-args is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"--chat-template-args must be a JSON object, got {text}")
-    return value
+    return parse_json(text, "--chat-template-args")
 
 
 def settings_from(args):
@@ -113,7 +106,7 @@ def follow_rank_0(settings, world) -> int:
     engine rounds rank 0 runs, until rank 0's server stops."""
     from ..distributed.follow import MirroredEngine
     from ..distributed.sharding import splitter
-    from ..generate import check_vocabulary
+    from ..generation.step import check_vocabulary
     from ..loading import load
 
     model, tokenizer = load(settings.model, shard=splitter(settings.split, world))

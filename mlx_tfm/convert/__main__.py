@@ -3,7 +3,8 @@
 import sys
 
 import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
-from mlx_tfm.cli import main
+
+from ..cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["convert", *sys.argv[1:]]))

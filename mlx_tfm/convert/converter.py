@@ -12,22 +12,25 @@ from pathlib import Path
 
 from ..atomic import remove_stale_temporaries
 from ..errors import UserError
-from ..families import MLX_LM_CONFIG_ALIASES, architecture_for, mlx_lm_config_keys, on_disk_layout
+from ..families import architecture_for, on_disk_layout
+from ..families.mlx_lm import MLX_LM_CONFIG_ALIASES, mlx_lm_config_keys
 from ..hub import resolve_model_path
-from ..model import ModelArgs
-from ..weights import (
+from ..model.config import ModelArgs
+from ..weights.build import build_model
+from ..weights.files import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
-    build_model,
     cast_weights,
-    dequantize_weights,
     dtype_name,
-    QUANT_RECIPES,
-    quantization_plan,
-    quantize_weights,
     save_model_folder,
 )
-from .sources import Source, read_source
+from ..weights.quantization import (
+    QUANT_RECIPES,
+    dequantize_weights,
+    quantization_plan,
+    quantize_weights,
+)
+from .sources import Source
 
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -56,7 +59,7 @@ def output_dtype(requested: str | None, config: dict) -> str | None:
 def prepare_weights(weights: dict, source_quantization: dict | None, *, dtype, quantize, q_bits, q_group_size, dequantize,
                     plan=None):
     """-> (weights, quantization of the result or None). ``plan``: module path -> its
-    quantization settings (``mlx_tfm.weights.quantization_plan``)."""
+    quantization settings (``mlx_tfm.weights.quantization.quantization_plan``)."""
     quantization = source_quantization
     if quantization and (dequantize or quantize):
         weights, quantization = dequantize_weights(weights, quantization, DTYPES.get(dtype)), None
@@ -194,4 +197,25 @@ def convert_to_temporary(source: Path) -> Path:
     return convert(source, Path(parent) / "model", log=lambda *_: None)
 
 
-__all__ = ["convert", "convert_to_temporary"]
+GGUF_MAGIC = b"GGUF"
+
+
+def read_source(path: Path) -> Source:
+    """Dispatch on what ``path`` is: a folder (Hugging Face or MLX), or a file told apart by
+    its first bytes (GGUF magic; otherwise a llama2.c checkpoint, whose legacy header has
+    no magic)."""
+    if path.is_dir():
+        from .hf import read_hf_folder
+
+        return read_hf_folder(path)
+    with open(path, "rb") as f:
+        magic = f.read(9)
+    if magic[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
+        raise UserError(f"{path} is a safetensors file: pass the folder that holds it and its config.json")
+    if magic[:4] == GGUF_MAGIC:
+        from .gguf_file import read_gguf
+
+        return read_gguf(path)
+    from .llama2c import read_llama2c
+
+    return read_llama2c(path)

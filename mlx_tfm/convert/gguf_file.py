@@ -33,12 +33,14 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_tfm.errors import UserError
-from mlx_tfm.families import MIXTRAL_EXPERT_PROJECTIONS, QWEN_EXPERT_PROJECTIONS, num_experts_of
-
-from .sources import Source
+from ..errors import UserError
+from ..families.experts import (
+    MIXTRAL_EXPERT_PROJECTIONS,
+    QWEN_EXPERT_PROJECTIONS,
+    num_experts_of,
+)
 from .llama2c import interleaved_to_half_split
-
+from .sources import Source
 
 # -- tensor names: llama.cpp's -> Hugging Face's ---------------------------------------------
 

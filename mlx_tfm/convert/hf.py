@@ -7,10 +7,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import UserError
-from ..weights import first_line, has_safetensors, quantization_of, read_config, read_safetensors, sharded_files, \
-    tokenizer_files_of
-from ..sentence_modules import sentence_files
+from ..errors import UserError, first_line
+from ..weights.files import (
+    has_safetensors,
+    read_config,
+    read_safetensors,
+    sharded_files,
+    tokenizer_files_of,
+)
+from ..weights.quantization import quantization_of
+from ..weights.sentence_modules import sentence_files
 from .sources import Source
 
 TORCH_INDEX = "pytorch_model.bin.index.json"

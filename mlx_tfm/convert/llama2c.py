@@ -17,8 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_tfm.errors import UserError
-
+from ..errors import UserError
 from .sources import Source
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")

@@ -1,4 +1,4 @@
-"""Stacked experts (``mlx_tfm.experts.SwitchGLU``) on MLX's CPU backend.
+"""Stacked experts (``mlx_tfm.model.experts.SwitchGLU``) on MLX's CPU backend.
 
 MLX's CPU ``gather_qmm`` runs on one core and is slow, its ``gather_mm`` takes float32
 only, and for a prompt both are far from what float32 BLAS does (measurements: README,

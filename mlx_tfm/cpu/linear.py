@@ -44,7 +44,6 @@ import mlx.nn as nn
 from .kernels import kernels
 from .switch import on_cpu
 
-
 # float32 bytes of a block of rows made float32 at a time (float32_product)
 FLOAT32_BLOCK_BYTES = 1 << 18
 

@@ -22,10 +22,10 @@ import logging
 
 import mlx.core as mx
 
-from ..batching import Engine, Row
-from ..chat import ChatSession, load_conversation
+from ..chat.conversation import ChatSession, load_conversation
+from ..engine.loop import Engine, Row
+from ..engine.prefix_cache import PrefixCache
 from ..errors import UserError
-from ..prompt_cache_pool import PromptCachePool
 from .world import World
 
 log = logging.getLogger("mlx_tfm.engine")
@@ -156,7 +156,7 @@ class SizedEntry:
         return self.cache.layers
 
 
-class ClusterPromptCachePool(PromptCachePool):
+class ClusterPrefixCache(PrefixCache):
     """The shared prompt cache of a split model: an entry counts what every rank holds
     for it (a pipeline's ranks hold different numbers of layers), so every rank keeps
     and drops the same entries and reuses the same prefixes."""
@@ -184,7 +184,7 @@ class MirroredEngine(Engine):
     def __init__(self, model, tokenizer, world: World, **engine_args):
         super().__init__(model, tokenizer, **engine_args)
         self.world = world
-        self.pool = ClusterPromptCachePool(self.pool.max_bytes, world)
+        self.prefix_cache = ClusterPrefixCache(self.prefix_cache.max_bytes, world)
 
     def submit(self, request, on_event) -> int:
         if request.logits_processors:

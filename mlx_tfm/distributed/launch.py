@@ -14,13 +14,13 @@ takes a port the ring uses.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from ..errors import UserError
+from ..jsonfile import parse_json
 
 CONTROL_ADDRESS = "MLX_TFM_CONTROL_ADDRESS"
 TIMEOUT = "MLX_TFM_DISTRIBUTED_TIMEOUT"
@@ -52,10 +52,7 @@ def read_json_file(variable: str, path: str):
         raise UserError(f"{variable}={path} cannot be read ({e.strerror})") from None
     if not text.strip():
         return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{variable}={path} is not JSON ({e.msg})") from None
+    return parse_json(text, f"{variable}={path}", expect=None)
 
 
 def ring_hosts(path: str) -> list[list[tuple[str, int]]] | None:

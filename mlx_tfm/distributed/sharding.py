@@ -29,8 +29,10 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 from ..errors import UserError
-from ..experts import QuantizedSwitchLinear, SparseMoeBlock
-from ..model import MLP, Attention, Model
+from ..model.attention import Attention
+from ..model.experts import QuantizedSwitchLinear, SparseMoeBlock
+from ..model.layers import MLP
+from ..model.transformer import Model
 from .world import World
 
 MODES = ("pipeline", "tensor")

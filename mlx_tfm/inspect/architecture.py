@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..model import ModelArgs
+from ..model.config import ModelArgs
 from .parts import Part
 
 SIZE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError
-from ..weights import dequantize_weights
+from ..weights.quantization import dequantize_weights
 from .parts import BLOCK, QUANTIZATION_ARRAYS, arrays_by_module, is_quantized
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..model import RMSNorm
+from ..model.layers import RMSNorm
 
 KINDS = {"embed_tokens": "embedding", "embed_positions": "positions", "self_attn": "attention", "mlp": "ffn",
          "lm_head": "head"}

@@ -8,9 +8,16 @@ from pathlib import Path
 import mlx.nn as nn
 
 from ..errors import UserError
-from ..generate import check_vocabulary
+from ..generation.step import check_vocabulary
 from . import pictures
-from .architecture import describe_architecture, differences, flops_per_token, kv_cache_bytes, matrix_weights, summary
+from .architecture import (
+    describe_architecture,
+    differences,
+    flops_per_token,
+    kv_cache_bytes,
+    matrix_weights,
+    summary,
+)
 from .compare import compare_models, layer_changes
 from .parts import TEXTBOOK_FFN_SHARE, block_shares, model_parts, part_rows
 from .source import Inspected, disk_usage

@@ -16,8 +16,9 @@ from pathlib import Path
 from ..families import map_weights
 from ..hub import resolve_model_path
 from ..loading import load_model, readable_folder
-from ..model import Model, ModelArgs
-from ..weights import has_safetensors, read_safetensors, safetensors_files
+from ..model.config import ModelArgs
+from ..model.transformer import Model
+from ..weights.files import has_safetensors, read_safetensors, safetensors_files
 from .parts import Part
 
 

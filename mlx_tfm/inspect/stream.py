@@ -4,7 +4,7 @@ weighs, the residual stream's norm after each block, and the logit lens.
 ``trace`` runs the model's own forward pass with each block wrapped, for that one call, to
 keep its input and output: the stream is exactly the model's, whatever its norm placement,
 positions or windows. The fused attention kernel never shows its weights, so the call of
-the model's attention function (``mlx_tfm.attention.attention``, as ``mlx_tfm.model``
+the model's attention function (``mlx_tfm.model.attention.attention``, as the attention sublayer
 calls it) is kept too: the queries and keys it receives (after the projections, q/k norms
 and RoPE, whichever the model has), its scale, mask, soft-cap and sinks. The weights
 softmax(q k^T * scale) are recomputed from those, for pictures only; the tests prove that
@@ -27,9 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import model as model_module
-from ..cache import window_mask
 from ..errors import UserError
+from ..model import attention as attention_module
+from ..model.cache import window_mask
 
 
 @dataclass
@@ -49,7 +49,7 @@ class AttentionCall:
 def attention_calls():
     """Within the block, every call of the model's attention function is appended to the
     yielded list (and computed as usual)."""
-    original = model_module.attention
+    original = attention_module.attention
     signature = inspect.signature(original)
     calls: list[AttentionCall] = []
 
@@ -61,11 +61,11 @@ def attention_calls():
                                    given.get("softcap"), given.get("sinks")))
         return original(*args, **kwargs)
 
-    model_module.attention = recorded
+    attention_module.attention = recorded
     try:
         yield calls
     finally:
-        model_module.attention = original
+        attention_module.attention = original
 
 
 @dataclass
@@ -118,7 +118,7 @@ def trace(model: nn.Module, token_ids: list[int]) -> Trace:
         logits = model(mx.array([token_ids]))[0]
     if len(calls) != len(model.layers):
         raise UserError(f"{len(calls)} attention calls for {len(model.layers)} blocks: this model's attention "
-                        "does not go through mlx_tfm.attention.attention, so its maps cannot be drawn")
+                        "does not go through mlx_tfm.model.attention.attention, so its maps cannot be drawn")
     mx.eval(logits, stream)
     return Trace(list(token_ids), stream, calls, logits)
 

@@ -2,7 +2,7 @@
 
 Layer 6 (an interface): it imports everything below it and nothing imports it. The HTTP
 side (Starlette, pydantic, uvicorn, imported only by `mlx-tfm server`) never touches MLX:
-one engine thread (``mlx_tfm.batching.Engine``) owns the model, and each HTTP request talks
+one engine thread (``mlx_tfm.engine.loop.Engine``) owns the model, and each HTTP request talks
 to it through ``Engine.submit`` / ``Engine.cancel`` and events handed back to the event loop
 (``engine_client``).
 

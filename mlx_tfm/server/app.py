@@ -38,7 +38,7 @@ def load_serving(settings: ServerSettings) -> Serving:
     from ..distributed.follow import engine_for
     from ..distributed.sharding import splitter
     from ..distributed.world import current
-    from ..generate import check_vocabulary
+    from ..generation.step import check_vocabulary
     from ..loading import load
     from . import responses
     from .constrained import grammar_tokenizer

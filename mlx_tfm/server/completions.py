@@ -15,15 +15,26 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..batching import Request, SamplingParams
+from ..engine.requests import Request, SamplingParams
 from ..tokenizer import Tokenizer
 from . import responses as objects
 from .constrained import make_processor, response_grammar, tool_call_grammar
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
-from .output import AnswerParser, Delta, ToolFormat, prompt_opens_thinking, tool_format_of
+from .output import (
+    AnswerParser,
+    Delta,
+    ToolFormat,
+    prompt_opens_thinking,
+    tool_format_of,
+)
 from .prompts import chat_prompt, check_prompt, text_prompt
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_body,
+)
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_tfm.server")

@@ -23,6 +23,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from .errors import APIError, invalid
+
 # As many inputs per request as OpenAI's embeddings API takes.
 MAX_INPUTS = 2048
 
@@ -121,7 +122,7 @@ def parse(model_class, body: bytes):
 def embedding_inputs(serving: EncoderServing, request: EmbeddingsRequest) -> list[tuple[list[int], list[int]]]:
     """(ids, token types) per input, cut to the model's max_seq_length as sentence-transformers
     cuts them: texts through the tokenizer (prompts are the client's to add), token ids as given."""
-    from ..embeddings import max_tokens, sentence_modules, tokenize
+    from ..encode.embeddings import max_tokens, sentence_modules, tokenize
 
     model, tokenizer = serving.model, serving.tokenizer
     limit = max_tokens(model, sentence_modules(model))
@@ -145,7 +146,7 @@ def embedding_inputs(serving: EncoderServing, request: EmbeddingsRequest) -> lis
 
 
 def embeddings_response(serving: EncoderServing, body: bytes) -> dict:
-    from ..embeddings import embed_encoded
+    from ..encode.embeddings import embed_encoded
 
     request = parse(EmbeddingsRequest, body)
     serving.check_model(request.model)
@@ -173,7 +174,7 @@ def as_format(vector: np.ndarray, encoding: str):
 
 
 def rerank_response(serving: EncoderServing, body: bytes) -> dict:
-    from ..encoder_tasks import rerank_scores
+    from ..encode.tasks import rerank_scores
     from ..errors import UserError
 
     request = parse(RerankRequest, body)

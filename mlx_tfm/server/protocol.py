@@ -9,8 +9,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from ..errors import UserError
+from ..jsonfile import parse_json
 from .errors import APIError, invalid
 from .settings import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
@@ -226,11 +235,11 @@ class CompletionRequest(SamplingFields):
 def parse_body(raw: bytes, model_type: type[BaseModel]):
     """The request model of a JSON body, or a 400 naming the field that is wrong."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = parse_json(raw.decode("utf-8"), "the body")
+    except UnicodeDecodeError as e:
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    except UserError as e:
+        raise APIError(400, str(e), code="invalid_json") from None
     try:
         request = model_type.model_validate(data)
     except ValidationError as e:

@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import UserError
+from ..jsonfile import read_json
 from .backends import HFTokenizersBackend, SentencePieceBackend
 from .chat_template import FALLBACK_CHAT_TEMPLATE, render_chat_template
 from .detokenizer import StreamingDetokenizer
@@ -125,12 +125,8 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON: {e}") from None
+    """An optional file of the folder: {} when it is not there."""
+    return read_json(path) if path.is_file() else {}
 
 
 def _token_text(value) -> str | None:

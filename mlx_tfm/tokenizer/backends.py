@@ -19,7 +19,6 @@ from .detokenizer import (
     sentencepiece_piece_bytes,
 )
 
-
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 

@@ -23,8 +23,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..atomic import atomic_file, atomic_folder
 from ..errors import UserError
 from ..families import model_args_from_config
-from ..model import ModelArgs
-from ..weights import load_weights_strictly, tokenizer_files_of, write_model_files
+from ..jsonfile import read_json
+from ..model.config import ModelArgs
+from ..weights.build import load_weights_strictly
+from ..weights.files import tokenizer_files_of, write_model_files
+
 CHECKPOINTS = "checkpoints"
 TRAINER = "trainer"
 
@@ -97,9 +100,9 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: optim.Optimizer) 
     try:
         weights = mx.load(str(folder / "model.safetensors"))
         opt_state = mx.load(str(folder / TRAINER / "optimizer.safetensors"))
-        state = json.loads((folder / TRAINER / "state.json").read_text())
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"checkpoint {folder} is unreadable ({e})") from None
+    state = read_json(folder / TRAINER / "state.json")
     load_weights_strictly(model, weights)
     optimizer.state = tree_unflatten(list(opt_state.items()))
     mx.eval(model.parameters(), optimizer.state)

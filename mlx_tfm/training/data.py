@@ -1,29 +1,21 @@
-"""Training data: jsonl records and text corpora become token sequences, then batches.
+"""Training data: a tokenizer for pre-training (a byte-level one when there is no
+vocabulary), text corpora as one token stream, and batches.
 
-Fine-tuning reads a folder with ``train.jsonl`` / ``valid.jsonl`` / ``test.jsonl`` in the
-formats mlx-lm users have: ``{"text"}``, ``{"prompt", "completion"}``, ``{"messages"}``.
-Each example becomes ``(tokens, prompt_length)``; with ``--mask-prompt`` only the tokens
-from ``prompt_length`` on count in the loss.
-
-Pre-training reads a ``.txt`` file or such a folder and trains on random windows of one
-long token stream. Batches are a pure function of ``(seed, step)``, so a resumed run sees
-exactly the batches the uninterrupted run would have seen.
+Pre-training reads a ``.txt`` file or a jsonl folder (``mlx_tfm.datasets``) and trains on
+random windows of one long token stream. Batches are a pure function of ``(seed, step)``,
+so a resumed run sees exactly the batches the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..datasets import Example, load_split
 from ..errors import UserError
-
-SPLITS = ("train", "valid", "test")
-Example = tuple[list[int], int]  # (tokens, prompt_length)
-
 
 # -- a byte-level tokenizer for pre-training without a vocabulary --------------------
 
@@ -88,79 +80,6 @@ def load_training_tokenizer(spec: str):
     if not folder.is_dir():
         raise UserError(f"tokenizer {spec!r} is neither 'byte' nor a folder with tokenizer.model / tokenizer.json")
     return load_tokenizer(folder)
-
-
-# -- jsonl records -> examples ------------------------------------------------------------
-
-
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, record) pairs; a malformed line is an error naming file and line."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            records.append((number, record))
-    return records
-
-
-def with_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens if tokens and tokens[-1] == eos else [*tokens, eos]
-
-
-def encode_record(record: dict, tokenizer, where: str) -> Example:
-    """One record in any of the three formats -> (tokens, prompt_length)."""
-    eos = tokenizer.eos_token_id
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise UserError(f"{where}: \"messages\" must be a non-empty list")
-        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True))
-        # Only the last turn (the assistant's answer) counts when the prompt is masked.
-        prompt = list(tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True))
-        return tokens, len(prompt)
-    if "prompt" in record and "completion" in record and tokenizer.has_chat_template:
-        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
-        return encode_record({"messages": messages}, tokenizer, where)
-    if "prompt" in record and "completion" in record:
-        prompt = tokenizer.encode(str(record["prompt"]))
-        completion = tokenizer.encode(str(record["completion"]), add_special_tokens=False)
-        return with_eos(prompt + completion, eos), len(prompt)
-    if "text" in record:
-        return with_eos(tokenizer.encode(str(record["text"])), eos), 0
-    keys = ", ".join(sorted(record)) or "none"
-    raise UserError(f'{where}: expected "text", "prompt"+"completion" or "messages", found keys: {keys}')
-
-
-def load_split(folder: Path, split: str, tokenizer, max_seq_length: int | None = None) -> list[Example]:
-    """Read and tokenize ``folder/split.jsonl``; truncate (with one warning) to max_seq_length."""
-    path = Path(folder) / f"{split}.jsonl"
-    if not path.is_file():
-        raise UserError(f"data folder {folder} has no {split}.jsonl")
-    examples = [encode_record(r, tokenizer, f"{path}:{n}") for n, r in read_jsonl(path)]
-    if not examples:
-        raise UserError(f"{path} has no examples")
-    if max_seq_length:
-        examples = truncate(examples, max_seq_length, path)
-    return examples
-
-
-def truncate(examples: list[Example], max_seq_length: int, source) -> list[Example]:
-    long = sum(len(tokens) > max_seq_length for tokens, _ in examples)
-    if long:
-        longest = max(len(tokens) for tokens, _ in examples)
-        print(
-            f"warning: {long} of {len(examples)} examples in {source} are longer than "
-            f"--max-seq-length {max_seq_length} (longest {longest} tokens); they are truncated",
-            file=sys.stderr,
-        )
-    return [(tokens[:max_seq_length], min(prompt, max_seq_length)) for tokens, prompt in examples]
 
 
 # -- batches --------------------------------------------------------------------------

@@ -14,19 +14,18 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from ..atomic import remove_stale_temporaries
+from ..datasets import load_split
 from ..distributed.world import World, join
 from ..errors import UserError
-from .data import LengthGroupedBatches, load_split
-from .lora import (
+from ..model.lora import FINE_TUNE_TYPES, LORA_DEFAULTS, apply_lora
+from ..weights.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    FINE_TUNE_TYPES,
-    LORA_DEFAULTS,
-    apply_lora,
     load_adapter_weights,
     load_adapters,
     save_adapters,
 )
+from .data import LengthGroupedBatches
 from .options import Rule, check_options, one_of, positive, whole
 from .reporting import ProgressReporter
 from .seq2seq import check_prompts, loss_for

@@ -9,8 +9,9 @@ from mlx.utils import tree_flatten
 
 from ..atomic import remove_stale_temporaries
 from ..hub import resolve_model_path
-from ..weights import save_model_folder, tokenizer_files_of
-from .lora import fuse_adapters, load_adapters
+from ..model.lora import fuse_adapters
+from ..weights.adapters import load_adapters
+from ..weights.files import save_model_folder, tokenizer_files_of
 
 
 def fuse_model(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False, overwrite: bool = True,

@@ -10,7 +10,6 @@ model's tensor names, which ``mlx_tfm.load`` and ``mlx-tfm fill-mask`` read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +18,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..families import model_args_from_config
-from ..model import ModelArgs
+from ..jsonfile import read_json
+from ..model.config import ModelArgs
 from .data import ByteTokenizer
 
 CHOSEN, AS_MASK, AS_RANDOM = 0.15, 0.8, 0.1  # the rest of the chosen (10%) stay themselves
@@ -73,10 +73,7 @@ def bert_config(spec: str, vocab_size: int, max_positions: int, ids: dict) -> di
         path = Path(spec).expanduser()
         if not path.is_file():
             raise UserError(f"--config {spec!r} is neither a preset ({', '.join(MLM_PRESETS)}) nor a JSON file")
-        try:
-            fields = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
+        fields = read_json(path)
     return {
         "model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_act": "gelu", "layer_norm_eps": 1e-12,
         "type_vocab_size": 2, "max_position_embeddings": max_positions, **fields, "vocab_size": vocab_size, **ids,

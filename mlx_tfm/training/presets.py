@@ -3,11 +3,11 @@ tokenizer. Sizes are for the weights alone, at the byte tokenizer's 258-entry vo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import UserError
-from ..model import ModelArgs
+from ..jsonfile import read_json
+from ..model.config import ModelArgs
 
 PRESETS: dict[str, dict] = {
     # ~0.25M parameters: the stories260K shape; trains on a CPU in minutes
@@ -28,10 +28,7 @@ def model_args_for(spec: str, vocab_size: int) -> ModelArgs:
         path = Path(spec).expanduser()
         if not path.is_file():
             raise UserError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
-        try:
-            fields = {**COMMON, **json.loads(path.read_text())}
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
+        fields = {**COMMON, **read_json(path)}
     given = fields.get("vocab_size")
     if given is not None and given < vocab_size:
         raise UserError(f"--config vocab_size {given} is smaller than the tokenizer's {vocab_size}")

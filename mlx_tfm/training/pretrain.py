@@ -7,7 +7,6 @@ checkpoints under ``checkpoints/``, ``training_log.json`` and the PNG plots.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +17,30 @@ import mlx.optimizers as optim
 from ..atomic import atomic_files_into, remove_stale_temporaries
 from ..distributed.world import join
 from ..errors import UserError
-from ..encoders import make_model
-from ..model import count_parameters
-from .checkpoints import CHECKPOINTS, list_checkpoints, load_checkpoint, model_config, save_checkpoint, write_json, write_model
-from .data import ByteTokenizer, TokenWindows, load_corpus, load_training_tokenizer, tokenizer_folder
+from ..jsonfile import read_json
+from ..model.encoders import make_model
+from ..model.transformer import count_parameters
+from .checkpoints import (
+    CHECKPOINTS,
+    list_checkpoints,
+    load_checkpoint,
+    model_config,
+    save_checkpoint,
+    write_json,
+    write_model,
+)
+from .data import (
+    ByteTokenizer,
+    TokenWindows,
+    load_corpus,
+    load_training_tokenizer,
+    tokenizer_folder,
+)
+from .mlm import mlm_setup
 from .options import Rule, check_options, non_negative, one_of, positive, whole
 from .presets import model_args_for
 from .reporting import ProgressReporter
 from .schedule import warmup_cosine
-from .mlm import mlm_setup
 from .trainer import TrainingArgs, TrainingDiverged, loss_fn, train
 
 
@@ -84,7 +98,7 @@ TRAJECTORY = (
 
 def restore_settings(options: PretrainOptions, checkpoint: Path) -> tuple[PretrainOptions, dict]:
     """The options with the checkpoint's trajectory settings put back, and its loop state."""
-    state = json.loads((checkpoint / "trainer" / "state.json").read_text())
+    state = read_json(checkpoint / "trainer" / "state.json")
     return dataclasses.replace(options, **{name: state["settings"][name] for name in TRAJECTORY}), state
 
 

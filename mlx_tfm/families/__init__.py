@@ -1,0 +1,70 @@
+"""How each Hugging Face ``model_type`` maps onto the one model: a declarative table.
+
+An entry says which ``ModelArgs`` fields the checkpoint's config.json implies, and how its
+tensor names map onto ours (``None`` drops a tensor). Everything else is shared.
+
+Two layouts matter for a checkpoint:
+- the *on-disk* layout the converter writes: the one mlx-lm writes for that model_type, so
+  mlx-lm loads our folders (for most families that is the Hugging Face layout itself; gpt2
+  gets its Conv1D weights transposed and a ``model.`` prefix, as mlx-lm's gpt2 stores it;
+  phi3 keeps its fused ``qkv_proj`` / ``gate_up_proj``). ``Architecture.layout`` turns a
+  Hugging Face checkpoint into it and leaves an on-disk one unchanged.
+- *our* module names: ``renames`` and ``rewrite`` turn the on-disk layout into them when
+  the model is loaded. Fused tensors are split by rows, which also splits quantized
+  weights, their scales and biases, so quantized folders load the same way.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import UserError
+from ..model.config import ModelArgs
+from .common import Architecture
+from .decoders import DECODERS
+from .encoders import ENCODERS
+from .experts import MIXTURES
+
+# The table: every model_type we build, each family kind in its own file.
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS}
+
+
+def architecture_for(config: dict) -> Architecture:
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UserError(f"unknown model_type {model_type!r}; supported: {supported}")
+    return ARCHITECTURES[model_type]
+
+
+def model_args_from_config(config: dict) -> ModelArgs:
+    """config.json (Hugging Face or mlx-lm) -> ModelArgs."""
+    return ModelArgs.from_dict(architecture_for(config).args(config))
+
+
+def on_disk_layout(config: dict, weights: dict) -> dict:
+    """A checkpoint in its source layout -> the layout the converter writes (mlx-lm's)."""
+    arch = architecture_for(config)
+    drops = [re.compile(p) for p in arch.drops]
+    weights = {k: v for k, v in weights.items() if not any(p.fullmatch(k) for p in drops)}
+    weights = arch.layout(weights) if arch.layout is not None else weights
+    return arch.experts(weights, config) if arch.experts is not None else weights
+
+
+def map_weights(config: dict, args: ModelArgs, weights: dict) -> dict:
+    """Rename, drop and rewrite a checkpoint's tensors into our names. Idempotent, so
+    folders we wrote ourselves pass through unchanged."""
+    arch = architecture_for(config)
+    mapped = {}
+    for name, tensor in on_disk_layout(config, weights).items():
+        for pattern, replacement in arch.renames:
+            if re.fullmatch(pattern, name):
+                name = None if replacement is None else re.sub(pattern, replacement, name)
+                break
+        if name is not None:
+            mapped[name] = tensor
+    if args.tie_word_embeddings:
+        mapped.pop("lm_head.weight", None)
+    if arch.rewrite is not None:
+        mapped = arch.rewrite(mapped, args)
+    return mapped

@@ -1,0 +1,62 @@
+"""Config keys mlx-lm reads that transformers 5 writes differently or not at all: the
+converter adds them to the config.json it writes, so mlx-lm loads our folders."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .common import layer_type_rope_keys, period_of
+from .decoders import GEMMA3_TEXT_DEFAULTS
+
+# Config keys mlx-lm requires that transformers 5 no longer writes: key -> the key it equals.
+MLX_LM_CONFIG_ALIASES = {
+    "gpt2": {"n_ctx": "n_positions"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+}
+
+
+def gemma3_text_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gemma3_text reads ``sliding_window_pattern`` (every n-th layer global), not
+    ``layer_types``; written when the layer types follow that pattern."""
+    keys = layer_type_rope_keys(config)
+    layer_types = config.get("layer_types") or []
+    if layer_types:
+        n = period_of(layer_types)
+        every_nth = ["sliding_attention"] * (n - 1) + ["full_attention"]
+        if layer_types[:n] == every_nth:
+            keys["sliding_window_pattern"] = n
+    return keys
+
+
+def gemma3_mlx_lm_keys(config: dict) -> dict:
+    text = config.get("text_config") or {}
+    vocab_size = config.get("vocab_size") or text.get("vocab_size", GEMMA3_TEXT_DEFAULTS["vocab_size"])
+    return {"vocab_size": vocab_size, "text_config": {**text, **gemma3_text_mlx_lm_keys(text)}}
+
+
+def exaone4_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's exaone4 needs head_dim and rope_scaling, and the window pattern as letters
+    ("LLLG": L local, G global)."""
+    keys = {"head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            "rope_scaling": config.get("rope_scaling")}
+    layer_types = config.get("layer_types") or []
+    if config.get("sliding_window") and layer_types and not isinstance(config.get("sliding_window_pattern"), str):
+        period = layer_types[: period_of(layer_types)]
+        keys["sliding_window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in period)
+    return keys
+
+
+# Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
+MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
+    "gemma3_text": gemma3_text_mlx_lm_keys,
+    "gemma3": gemma3_mlx_lm_keys,
+    "olmo3": layer_type_rope_keys,
+    "exaone4": exaone4_mlx_lm_keys,
+    "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
+}
+
+
+def mlx_lm_config_keys(config: dict) -> dict:
+    """Keys to set in a config.json we write so that mlx-lm reads it as we do (each only
+    restates what the config already says, in the spelling mlx-lm reads)."""
+    return MLX_LM_CONFIG_KEYS.get(config.get("model_type"), lambda _: {})(config)

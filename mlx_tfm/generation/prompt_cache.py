@@ -1,0 +1,69 @@
+"""Prompt-cache files: a list of layer caches written to one .safetensors file (their
+arrays, the kinds and settings of the caches as metadata) and read back.
+
+``TokenCache`` (``token_cache.py``) adds the token ids and the model's fingerprint, so a
+file is only reused with the model and tokens it was made from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..model.cache import (
+    KVCache,
+    KVQuantization,
+    QuantizedKV,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+QUANTIZED_PARTS = ("data", "scales", "biases")  # QuantizedKV's arrays, as named in prompt-cache files
+
+
+def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """Write a list of layer caches to a .safetensors file (atomically)."""
+    import json
+
+    from ..atomic import atomic_file
+
+    arrays = {}
+    for i, layer_cache in enumerate(cache):
+        for name, stored in zip(("keys", "values"), layer_cache.state):
+            if isinstance(stored, QuantizedKV):
+                arrays.update({f"{i}.{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, stored.arrays)})
+            else:
+                arrays[f"{i}.{name}"] = stored
+    info = {"layers": json.dumps([c.meta_state for c in cache]), **(metadata or {})}
+    with atomic_file(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, metadata=info)
+
+
+def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
+    """Read a file written by ``save_prompt_cache``: (layer caches, user metadata)."""
+    import json
+
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    layers = json.loads(metadata.pop("layers"))
+    cache = []
+    for i, meta in enumerate(layers):
+        if meta["kind"] == "RotatingKVCache":
+            layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
+        elif meta["kind"] == "QuantizedKVCache":
+            quantization = KVQuantization(int(meta["bits"]), int(meta["group_size"]), int(meta["start"]))
+            layer_cache = QuantizedKVCache(quantization)
+        else:
+            layer_cache = KVCache()
+        if f"{i}.keys" in arrays:
+            layer_cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+        elif f"{i}.keys.data" in arrays:
+            layer_cache.state = tuple(
+                QuantizedKV(*(arrays[f"{i}.{name}.{part}"] for part in QUANTIZED_PARTS), quantization.group_size,
+                            quantization.bits)
+                for name in ("keys", "values")
+            )
+        if meta["kind"] == "RotatingKVCache":
+            layer_cache.meta_state = meta
+        cache.append(layer_cache)
+    return cache, metadata

@@ -1,0 +1,173 @@
+"""``ModelArgs``: every variant of the one model as a field of one frozen dataclass.
+
+``ModelArgs.from_dict`` ignores unknown keys and derives what the config leaves out
+(``num_key_value_heads``, ``head_dim``, ``attention_scale``, ``layer_types``), so a
+family's table entry only says what differs (``mlx_tfm.families``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 0  # 0: derived by from_dict (= num_attention_heads, MHA)
+    head_dim: int = 0  # 0: derived by from_dict (= hidden_size // num_attention_heads)
+    intermediate_size: int = 11008
+    # normalisation
+    norm_type: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only
+    norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
+    # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
+    # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
+    # Cohere: attention and MLP both read one norm of x and both add to x)
+    norm_placement: str = "pre"
+    residual: bool = True  # False drops the skip connections (a gradient-flow ablation)
+    residual_scale: float = 1.0  # Granite: each sublayer's output times this joins the residual
+    final_norm: bool = True
+    # feed-forward
+    hidden_act: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2"
+    ffn_gated: bool = True  # act(gate(x)) * up(x): SwiGLU with silu, GeGLU with gelu
+    mlp_bias: bool = False
+    # attention
+    attention_bias: bool = False  # q, k, v projections
+    attention_out_bias: bool = False  # o projection
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    qk_norm_scope: str = "head"  # "head" | "projection" (OLMo 2: one norm over all heads of q, of k)
+    attention_scale: float = 0.0  # 0: derived (1/sqrt(head_dim))
+    attn_logit_softcapping: float | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head that takes softmax mass
+    clip_qkv: float | None = None  # OLMoE: q, k and v clipped to [-clip_qkv, clip_qkv]
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"
+    # positions
+    position_embedding: str = "rope"  # "rope" | "learned" | "sinusoidal" | "none"
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # Gemma 3, OLMo 3: sliding layers' own base, never scaled
+    rope_layers: tuple[bool, ...] = ()  # per layer: rotate q and k? () = every layer (SmolLM 3 skips some)
+    rope_traditional: bool = False  # True: rotate adjacent pairs (GPT-J, llama2.c)
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3"|"yarn", ...}
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    # embeddings and head
+    tie_word_embeddings: bool = True
+    embedding_scale: float | None = None  # Gemma: sqrt(hidden_size)
+    final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0  # Cohere multiplies the logits, Granite divides them
+    lm_head_bias: bool = False  # Phi-2
+    # mixture of experts (mlx_tfm/model/experts.py); num_experts 0: every layer dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # 0: derived (= intermediate_size)
+    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" (experts.route)
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    router_bias: bool = False  # gpt-oss: the router has a bias
+    routed_scaling_factor: float = 1.0  # sigmoid routers: weights times this
+    n_group: int = 1  # sigmoid routers: experts chosen from the best topk_group of n_group groups
+    topk_group: int = 1
+    expert_bias: bool = False  # gpt-oss: the experts' projections have biases
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (experts.clamped_swiglu)
+    swiglu_alpha: float = 1.0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE, GLM-4.5: a dense FFN beside the experts
+    shared_expert_gate: bool = False  # Qwen2-MoE: ... scaled by sigmoid(shared_expert_gate(x))
+    # dense layers mixed in: layer i has experts unless i in mlp_only_layers,
+    # (i + 1) % decoder_sparse_step != 0 or i < first_k_dense_replace
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    first_k_dense_replace: int = 0
+    # the three architectures (README "Three architectures"): "decoder" (GPT, Llama),
+    # "encoder" (BERT family: bidirectional, mlx_tfm/model/encoders.py) or "encoder-decoder" (T5)
+    kind: str = "decoder"
+    # encoders' embeddings: token types (BERT), a norm over the summed embeddings (BERT,
+    # ModernBERT), learned positions after an offset (RoBERTa, XLM-R: padding_idx + 1)
+    type_vocab_size: int = 0
+    embedding_norm: bool = False
+    position_offset: int = 0
+    first_layer_norm: bool = True  # False: layer 0 reads the normed embeddings as they are (ModernBERT)
+    # T5: a learned bias per head for buckets of key - query distance (mlx_tfm/model/relative_positions.py)
+    relative_attention_num_buckets: int = 0
+    relative_attention_max_distance: int = 128
+    cross_attention: bool = False  # decoder blocks of an encoder-decoder: queries over the encoder's output
+    own_embeddings: bool = True  # False: the stack receives embedded inputs (T5's stacks share one table)
+    num_decoder_layers: int = 0  # encoder-decoder: 0 = num_hidden_layers
+    decoder_start_token_id: int = 0
+    # encoders' heads (mlx_tfm/model/heads.py): "none" (hidden states), "masked_lm", "classification"
+    head: str = "none"
+    num_labels: int = 0
+    head_activation: str = "gelu"  # masked LM: dense -> this -> LayerNorm -> decoder
+    head_bias: bool = True  # the heads' dense layers
+    decoder_bias: bool = True  # the masked-LM decoder's bias
+    classifier_pooling: str = "cls"  # "cls" | "mean"
+    classifier_activation: str = "tanh"
+    classifier_norm: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a dict, ignoring unknown keys and deriving the defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in params.items() if k in names and v is not None}
+        n_heads = values.get("num_attention_heads", cls.num_attention_heads)
+        hidden = values.get("hidden_size", cls.hidden_size)
+        n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
+        values.setdefault("num_key_value_heads", n_heads)
+        values["num_key_value_heads"] = values["num_key_value_heads"] or n_heads
+        check_head_counts(n_heads, values["num_key_value_heads"], hidden, values.get("head_dim"))
+        values["head_dim"] = values.get("head_dim") or hidden // n_heads
+        values["attention_scale"] = values.get("attention_scale") or values["head_dim"] ** -0.5
+        window = values.get("sliding_window")
+        default_type = "sliding_attention" if window else "full_attention"
+        values["layer_types"] = tuple(values.get("layer_types") or (default_type,) * n_layers)
+        if len(values["layer_types"]) != n_layers:
+            raise ValueError(f"layer_types has {len(values['layer_types'])} entries for {n_layers} layers")
+        values["rope_layers"] = tuple(bool(r) for r in values.get("rope_layers", ()))
+        if values["rope_layers"] and len(values["rope_layers"]) != n_layers:
+            raise ValueError(f"rope_layers has {len(values['rope_layers'])} entries for {n_layers} layers")
+        values.update(cls._expert_values(values))
+        return cls(**values)
+
+    @classmethod
+    def _expert_values(cls, values: dict) -> dict:
+        n_experts, per_token = values.get("num_experts", 0), values.get("num_experts_per_tok", 0)
+        if n_experts and not 0 < per_token <= n_experts:
+            raise ValueError(f"num_experts_per_tok is {per_token}; it must be between 1 and num_experts ({n_experts})")
+        return {
+            "moe_intermediate_size": values.get("moe_intermediate_size") or values.get("intermediate_size",
+                                                                                       cls.intermediate_size),
+            "mlp_only_layers": tuple(values.get("mlp_only_layers", ())),
+        }
+
+    def has_experts(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s feed-forward is a mixture of experts."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0 and layer_idx >= self.first_k_dense_replace)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["rope_layers"] = list(self.rope_layers)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        return d
+
+
+def check_head_counts(n_heads: int, n_kv_heads: int, hidden_size: int, head_dim: int | None) -> None:
+    """ValueError naming the numbers when the attention heads cannot be laid out: each KV
+    head serves a whole group of query heads, and without an explicit head_dim the heads
+    split hidden_size evenly."""
+    for name, count in (("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads)):
+        if count < 1:
+            raise ValueError(f"{name} must be at least 1, not {count}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})")
+    if not head_dim and hidden_size % n_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({n_heads}) and there is no head_dim"
+        )

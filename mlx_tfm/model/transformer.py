@@ -1,0 +1,261 @@
+"""The Transformer, as the classic explanations draw it, in one configurable implementation.
+
+Every variant (RMSNorm or LayerNorm; pre-, post- or sandwich norm; SwiGLU, GeGLU, GELU,
+ReLU; MHA, MQA, GQA; RoPE, learned or sinusoidal positions; tied embeddings; biases;
+soft-capping) is a field of the frozen ``ModelArgs``. This file holds only math: loading,
+converting and sampling live elsewhere. Parameter names follow Hugging Face's Llama
+(``model.layers.N.self_attn.q_proj``...), so checkpoints load by near-copy.
+
+Shapes: B batch, L new positions, S cached positions, D hidden size.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cpu.switch import evaluates_each_sublayer
+from .attention import Attention
+from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
+from .config import ModelArgs
+from .experts import SparseMoeBlock, clamped_swiglu
+from .layers import MLP, gated_activation, make_norm
+from .positions import SinusoidalPositions, position_ids
+from .relative_positions import relative_position_bias
+
+
+def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
+    """The layer's FFN: the dense MLP, or a mixture of experts (with its shared expert)."""
+    if not args.has_experts(layer_idx):
+        return MLP(args)
+    shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
+    if args.swiglu_limit is not None:
+        activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
+    else:
+        activation = gated_activation(args.hidden_act)
+    return SparseMoeBlock(args, activation, shared)
+
+
+# Which norms each placement has, by their checkpoint names.
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "parallel": ("input_layernorm",),
+}
+
+
+def settled(h: mx.array) -> mx.array:
+    """``h`` (B, L, D), evaluated now while a prompt is read one sublayer at a time
+    (``prompt_layer_by_layer``: after each attention and each FFN), so the next
+    sublayer's graph is built after; unchanged otherwise."""
+    if h.shape[1] > 1 and evaluates_each_sublayer():
+        mx.eval(h)
+    return h
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.placement = args.norm_placement
+        self.residual = args.residual
+        self.residual_scale = args.residual_scale
+        if self.placement not in BLOCK_NORMS:
+            raise ValueError(f"unknown norm_placement {self.placement!r} ({', '.join(BLOCK_NORMS)})")
+        if not self.residual and self.placement not in ("pre", "post"):
+            raise ValueError("residual=False is only defined for the pre and post placements")
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = feed_forward(args, layer_idx)
+        for name in BLOCK_NORMS[self.placement]:
+            setattr(self, name, make_norm(args))
+        if layer_idx == 0 and not args.first_layer_norm:
+            self.input_layernorm = nn.Identity()  # ModernBERT: the embeddings are normed already
+        if args.cross_attention:
+            if self.placement != "pre":
+                raise ValueError("cross-attention is only defined for the pre-norm placement")
+            self.cross_attn = Attention(args, layer_idx)
+            self.cross_attn_layernorm = make_norm(args)
+
+    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
+        if not self.residual:
+            return self._without_residual(x, mask, cache)
+        if self.placement == "post":
+            # The original Transformer: normalise after each residual addition.
+            h = settled(self.input_layernorm(x + self.self_attn(x, mask, cache)))
+            return self.post_attention_layernorm(h + self.mlp(h))
+        if self.placement == "pre":
+            # The residual stream as the seed draws it: each sublayer adds to x.
+            h = settled(x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache)))
+            if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
+                h = settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
+            return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
+        if self.placement == "parallel":
+            # Phi-2, Cohere: both sublayers read the same normalised x.
+            normed = self.input_layernorm(x)
+            return x + self.self_attn(normed, mask, cache) + self.mlp(normed)
+        if self.placement == "post_sublayer":
+            # OLMo 2: normalise each sublayer's output only.
+            h = settled(x + self.post_attention_layernorm(self.self_attn(x, mask, cache)))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        # Gemma 2 and 3: normalise each sublayer's input and its output.
+        h = settled(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def _scaled(self, y: mx.array) -> mx.array:
+        return y * self.residual_scale if self.residual_scale != 1.0 else y
+
+    def _without_residual(self, x: mx.array, mask, cache) -> mx.array:
+        """The same sublayers and norms with no skip connections: each sublayer's output
+        replaces the stream instead of adding to it (only for gradient-flow experiments)."""
+        if self.placement == "post":
+            h = self.input_layernorm(self.self_attn(x, mask, cache))
+            return self.post_attention_layernorm(self.mlp(h))
+        h = self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.mlp(self.post_attention_layernorm(h))
+
+
+def bidirectional_window(mask, length: int, window: int):
+    """An encoder's sliding-window layer (ModernBERT's local attention): position i sees
+    j when |i - j| <= window, and j is a token (``mask`` (B, 1, 1, S) or None)."""
+    positions = mx.arange(length)
+    band = mx.abs(positions[:, None] - positions[None, :]) <= window  # (L, L)
+    return band if mask is None else band & mask
+
+
+class TransformerModel(nn.Module):
+    """Embeddings, the stack of blocks, the final norm: ``model.*`` in checkpoints."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        if args.own_embeddings:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if args.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        elif args.position_embedding == "sinusoidal":
+            self.sinusoidal = SinusoidalPositions(args.hidden_size)
+        if args.type_vocab_size:
+            self.embed_token_types = nn.Embedding(args.type_vocab_size, args.hidden_size)
+        if args.embedding_norm:
+            self.embed_norm = make_norm(args)
+        if args.relative_attention_num_buckets:
+            self.relative_attention_bias = nn.Embedding(args.relative_attention_num_buckets, args.num_attention_heads)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
+        if args.final_norm:
+            self.norm = make_norm(args)
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
+                 cross: list[CrossAttentionCache] | None = None) -> mx.array:
+        """Token ids (B, L), or embedded inputs (B, L, D) when the stack does not own its
+        embeddings, -> hidden states (B, L, D). Encoders (kind "encoder") attend both ways:
+        ``mask`` is then their padding mask (B, 1, 1, S), True at tokens. ``cross``: one
+        ``CrossAttentionCache`` per layer of an encoder-decoder's decoder."""
+        B, L = inputs.shape[:2]
+        h = self.embed_tokens(inputs) if self.args.own_embeddings else inputs  # (B, L, D)
+        if self.args.embedding_scale is not None:
+            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        offset = cache[0].offset if cache is not None else 0
+        if self.args.position_embedding == "learned":
+            positions = position_ids(offset, L) + self.args.position_offset  # offset: int, or (B,) per row
+            h = h + self.embed_positions(positions)
+        elif self.args.position_embedding == "sinusoidal":
+            h = h + self.sinusoidal(offset, L).astype(h.dtype)
+        if self.args.type_vocab_size:
+            types = token_type_ids if token_type_ids is not None else mx.zeros((B, L), mx.int32)
+            h = h + self.embed_token_types(types)
+        if self.args.embedding_norm:
+            h = self.embed_norm(h)
+        masks = self._stack_masks(mask, L, cache, h.dtype)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if cross is None:
+                h = settled(layer(h, masks[i], layer_cache))
+            else:
+                h = settled(layer(h, masks[i], layer_cache, cross[i]))
+        return self.norm(h) if self.args.final_norm else h
+
+    def _stack_masks(self, mask, length: int, cache, dtype: mx.Dtype) -> list:
+        """The mask each layer attends with (computed before any layer updates its cache).
+        Decoders: ``mask`` as given, else causal and windowed from each cache; encoders:
+        the padding ``mask`` both ways, banded on sliding-window layers; stacks with T5's
+        relative position bias: one additive mask shared by every layer."""
+        if self.args.relative_attention_num_buckets:
+            return [self._biased_mask(mask, length, cache, dtype)] * len(self.layers)
+        if self.args.kind == "encoder":
+            return [mask if window is None else bidirectional_window(mask, length, window) for window in self.windows]
+        caches = cache if cache is not None else [None] * len(self.layers)
+        return [mask if mask is not None else self._mask(length, c, w) for c, w in zip(caches, self.windows)]
+
+    def _biased_mask(self, mask, length: int, cache, dtype: mx.Dtype) -> mx.array:
+        """T5: the relative position bias (1, n_heads, L, S) of queries at the cache's
+        offset, with the padding (encoder) or causal (decoder) mask as the lowest number."""
+        offset = cache[0].offset if cache is not None else 0
+        encoder = self.args.kind == "encoder"
+        bias = relative_position_bias(self.relative_attention_bias.weight, range(offset, offset + length), offset + length,
+                                      encoder, self.args.relative_attention_max_distance).astype(dtype)
+        if encoder:
+            visible = mask
+        else:
+            visible = window_mask(mx.arange(offset, offset + length), mx.arange(offset + length), None) if length > 1 else None
+        return bias if visible is None else mx.where(visible, bias, mx.finfo(dtype).min)
+
+    @staticmethod
+    def _mask(length: int, cache, window: int | None):
+        if cache is not None:
+            return cache.make_mask(length, window)
+        if window is not None and length > window:
+            positions = mx.arange(length)
+            return window_mask(positions, positions, window)
+        return "causal" if length > 1 else None
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if not args.num_key_value_heads or not args.head_dim or not args.attention_scale:
+            raise ValueError("build ModelArgs with ModelArgs.from_dict, which derives head_dim and friends")
+        if args.num_attention_heads % args.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.args = args
+        self.model = TransformerModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.lm_head_bias)
+
+    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab_size)."""
+        return self.head(self.model(inputs, mask, cache))
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final hidden states (B, L, D) -> logits (B, L, vocab_size). Separate so that
+        training can compute the loss over the vocabulary a chunk of positions at a time."""
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if self.args.logit_scale != 1.0:
+            logits = logits * self.args.logit_scale
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
+        """One cache per layer. Sliding-window layers never need more than their window;
+        ``max_kv_size`` bounds every layer with a rotating cache."""
+        caches = []
+        for window in self.model.windows:
+            bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
+            caches.append(RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache())
+        return caches
+
+
+def count_parameters(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(module.parameters()))

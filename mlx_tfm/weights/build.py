@@ -1,0 +1,75 @@
+"""A model from a folder's parts: its config -> ``ModelArgs`` (the family's table), the
+empty model of that kind, quantized where the checkpoint is, then filled strictly: a
+missing, unexpected or mis-shaped tensor is an error that names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import UserError
+from ..families import map_weights, model_args_from_config
+from ..model.config import ModelArgs
+from ..model.encoders import make_model
+from ..model.transformer import Model
+from .files import cast_weights
+from .quantization import quantization_of, quantize_modules
+
+# -- into a model ------------------------------------------------------------------------
+
+
+def load_weights_strictly(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Every parameter present with its shape, nothing extra: or an error naming them."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing:
+        raise UserError(f"checkpoint is missing {len(missing)} tensor(s): {_names(missing)}")
+    if unexpected:
+        raise UserError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {_names(unexpected)}")
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise UserError(
+                f"shape mismatch for {name}: checkpoint {tuple(value.shape)}, model {tuple(expected[name].shape)}"
+            )
+    model.load_weights(list(weights.items()), strict=False)
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def model_args(config: dict, source: Path | str) -> ModelArgs:
+    try:
+        return model_args_from_config(config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{source} does not describe a model we can build: {e}") from None
+
+
+def empty_model(args: ModelArgs, source: Path | str) -> Model:
+    """The model ``args`` describes (its kind: decoder, encoder or encoder-decoder), its
+    random initialisation lazy (never computed)."""
+    try:
+        return make_model(args)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{source} does not describe a model we can build: {e}") from None
+
+
+def build_model(config: dict, weights: dict, source: Path | str, dtype: mx.Dtype | None = None) -> Model:
+    """The model ``config`` describes, filled strictly with ``weights`` (a checkpoint in its
+    on-disk layout); quantized layers where the checkpoint has quantized tensors. Lazy:
+    nothing is computed until the caller evaluates the parameters."""
+    args = model_args(config, source)
+    quantization = quantization_of(config, source)
+    mapped = map_weights(config, args, weights)
+    model = empty_model(args, source)
+    if quantization:
+        quantize_modules(model, quantization, mapped)
+    if dtype is not None:
+        mapped = cast_weights(mapped, dtype)
+    load_weights_strictly(model, mapped)
+    return model
