@@ -8,6 +8,7 @@ import hmac
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -101,7 +102,23 @@ class ServerState:
             self.serving.engine.stop()
 
 
-# -- endpoints ------------------------------------------------------------------------------------
+# -- the context every handler reads -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """What the handlers share, kept on ``app.state.context``: the model's life (its
+    serving once loaded, its id, when it was created), the settings, the request counter."""
+
+    state: ServerState
+    counter: RequestCounter
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self.state.settings
+
+    def model_card(self) -> dict:
+        return {"id": self.state.model_id, "object": "model", "created": self.state.created, "owned_by": "mlx-tfm"}
 
 
 def json_error(error: APIError) -> JSONResponse:
@@ -109,13 +126,14 @@ def json_error(error: APIError) -> JSONResponse:
 
 
 def endpoint(handler):
-    """Every failure of a handler becomes an OpenAI error body: APIError as it says, any
-    other exception a 500 with one line (the traceback goes to the log)."""
+    """A Starlette endpoint from ``handler(http, context)``. Every failure of the handler
+    becomes an OpenAI error body: APIError as it says, any other exception a 500 with one
+    generic line (the traceback goes to the log, never its text to the client)."""
 
     @functools.wraps(handler)
     async def run(http: HTTPRequest):
         try:
-            return await handler(http)
+            return await handler(http, http.app.state.context)
         except APIError as e:
             return json_error(e)
         except Exception:
@@ -139,67 +157,75 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
     return bytes(body)
 
 
+# -- the endpoints -----------------------------------------------------------------------------------
+
+
+async def chat(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await chat_completions(decoder_only(context.state.ready_serving()), http, body)
+
+
+async def complete(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await completions(decoder_only(context.state.ready_serving()), http, body)
+
+
+async def embed(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await embeddings(context.state.ready_serving(), http, body)
+
+
+async def rank(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await rerank(context.state.ready_serving(), http, body)
+
+
+async def list_models(http: HTTPRequest, context: AppContext):
+    return JSONResponse({"object": "list", "data": [context.model_card()]})
+
+
+async def get_model(http: HTTPRequest, context: AppContext):
+    name = http.path_params["model"]
+    if name != context.state.model_id:
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+    return JSONResponse(context.model_card())
+
+
+async def health(http: HTTPRequest, context: AppContext):
+    context.state.ready_serving()
+    return JSONResponse({"status": "ok", "model": context.state.model_id})
+
+
+async def metrics(http: HTTPRequest, context: AppContext):
+    serving = context.state.serving
+    engine = serving.engine.metrics() if serving is not None else None
+    return PlainTextResponse(prometheus_text(context.counter, engine, loading=serving is None),
+                             media_type="text/plain; version=0.0.4")
+
+
+# The API answers under /v1 and without it (clients differ in the base URL they take).
+API_PREFIXES = ("/v1", "")
+# (path, method, handler, the prefixes it answers under)
+ROUTES = (
+    ("/chat/completions", "POST", chat, API_PREFIXES),
+    ("/completions", "POST", complete, API_PREFIXES),
+    ("/embeddings", "POST", embed, API_PREFIXES),
+    ("/rerank", "POST", rank, API_PREFIXES),
+    ("/models", "GET", list_models, API_PREFIXES),
+    ("/models/{model:path}", "GET", get_model, API_PREFIXES),
+    ("/health", "GET", health, ("",)),
+    ("/metrics", "GET", metrics, ("",)),
+)
+
+
 def build_app(state: ServerState) -> Starlette:
+    """The app over ``state``: the routes of ``ROUTES``, CORS, the API key guard, error
+    bodies for the router's own failures, and the model loaded when the server starts."""
     settings = state.settings
-
-    @endpoint
-    async def chat(http: HTTPRequest):
-        body = await read_body(http, settings.max_body_bytes)
-        return await chat_completions(decoder_only(state.ready_serving()), http, body)
-
-    @endpoint
-    async def complete(http: HTTPRequest):
-        body = await read_body(http, settings.max_body_bytes)
-        return await completions(decoder_only(state.ready_serving()), http, body)
-
-    @endpoint
-    async def embed(http: HTTPRequest):
-        body = await read_body(http, settings.max_body_bytes)
-        return await embeddings(state.ready_serving(), http, body)
-
-    @endpoint
-    async def rank(http: HTTPRequest):
-        body = await read_body(http, settings.max_body_bytes)
-        return await rerank(state.ready_serving(), http, body)
-
-    def model_card() -> dict:
-        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlx-tfm"}
-
-    @endpoint
-    async def list_models(http: HTTPRequest):
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    @endpoint
-    async def get_model(http: HTTPRequest):
-        if http.path_params["model"] != state.model_id:
-            raise APIError(404, f"the model {http.path_params['model']!r} does not exist", param="model",
-                           code="model_not_found")
-        return JSONResponse(model_card())
-
-    @endpoint
-    async def health(http: HTTPRequest):
-        state.ready_serving()
-        return JSONResponse({"status": "ok", "model": state.model_id})
-
-    @endpoint
-    async def metrics(http: HTTPRequest):
-        serving = state.serving
-        engine = serving.engine.metrics() if serving is not None else None
-        return PlainTextResponse(prometheus_text(counter, engine, loading=serving is None),
-                                 media_type="text/plain; version=0.0.4")
-
-    routes = [
-        *[Route(prefix + "/chat/completions", chat, methods=["POST"]) for prefix in ("/v1", "")],
-        *[Route(prefix + "/completions", complete, methods=["POST"]) for prefix in ("/v1", "")],
-        *[Route(prefix + "/embeddings", embed, methods=["POST"]) for prefix in ("/v1", "")],
-        *[Route(prefix + "/rerank", rank, methods=["POST"]) for prefix in ("/v1", "")],
-        *[Route(prefix + "/models", list_models, methods=["GET"]) for prefix in ("/v1", "")],
-        *[Route(prefix + "/models/{model:path}", get_model, methods=["GET"]) for prefix in ("/v1", "")],
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
+    routes = [Route(prefix + path, endpoint(handler), methods=[method])
+              for path, method, handler, prefixes in ROUTES for prefix in prefixes]
     counter = RequestCounter({route.path for route in routes})
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
             Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
@@ -209,6 +235,8 @@ def build_app(state: ServerState) -> Starlette:
         exception_handlers={HTTPException: http_exception, Exception: unexpected_exception},
         lifespan=lambda app: ModelLifespan(state),
     )
+    app.state.context = AppContext(state, counter)
+    return app
 
 
 async def http_exception(http: HTTPRequest, exc: HTTPException) -> JSONResponse:
