@@ -125,11 +125,15 @@ class GrammarProcessor:
     """A per-row logits processor: tokens the grammar does not allow next get -inf.
 
     Called by the engine once per generated token with every token so far (prompt
-    included); the tokens generated since the last call are fed to the matcher first."""
+    included); the tokens generated since the last call are fed to the matcher first.
+    The mask covers the model's whole vocabulary (``vocab_size``), which is often larger
+    than the tokenizer's (``tokenizer_size``, rounded up for the hardware): the ids past
+    the tokenizer's are no text and never allowed."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, tokenizer_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.known = min(tokenizer_size, vocab_size)  # the ids the grammar decides on
         self.seen: int | None = None  # how many of the tokens the matcher has taken in
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -139,14 +143,16 @@ class GrammarProcessor:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"constrained decoding: {self.matcher.get_error()}")
         self.seen = tokens.size
+        # llguidance's bitmask: one bit per tokenizer id, in 32-bit words (its tail is padding)
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = np.zeros(logits.shape[-1], dtype=bool)  # ids past the tokenizer (padding) stay banned
-        allowed[: self.vocab_size] = bits[: self.vocab_size]
+        allowed = np.zeros(self.vocab_size, dtype=bool)  # (V,) the model's ids; past the tokenizer's stay banned
+        allowed[: self.known] = bits[: self.known]
         return mx.where(mx.array(allowed), logits, float("-inf"))
 
 
 def make_processor(grammar_tokenizer, grammar: str, vocab_size: int, param: str) -> GrammarProcessor:
-    """A fresh processor (one per row: the matcher keeps state) or a 400 on a bad grammar."""
+    """A fresh processor over the model's ``vocab_size`` ids (one per row: the matcher
+    keeps state) or a 400 on a bad grammar."""
     from llguidance import LLMatcher
 
     if grammar_tokenizer is None:
@@ -154,7 +160,7 @@ def make_processor(grammar_tokenizer, grammar: str, vocab_size: int, param: str)
     matcher = LLMatcher(grammar_tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise invalid(param, f"{param}: the grammar cannot be enforced ({matcher.get_error().splitlines()[0]})")
-    return GrammarProcessor(matcher, vocab_size)
+    return GrammarProcessor(matcher, vocab_size, grammar_tokenizer.vocab_size)
 
 
 __all__ = ["grammar_tokenizer", "response_grammar", "tool_call_grammar", "make_processor", "GrammarProcessor"]
