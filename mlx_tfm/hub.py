@@ -9,15 +9,35 @@ from .errors import UserError
 
 
 def resolve_model_path(path_or_repo: str | Path) -> Path:
-    """A local folder or file as it is; otherwise a Hugging Face repo id, fetched into the
-    standard Hugging Face cache (or found there when offline)."""
+    """A local folder or file as it is; otherwise a Hugging Face repo id (``gpt2`` or
+    ``org/name``), fetched into the standard Hugging Face cache (or found there when
+    offline)."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         return path
     text = str(path_or_repo)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if looks_like_a_path(text):
         raise UserError(f"model path {text!r} does not exist")
+    if not is_repo_id(text):
+        raise UserError(f"model path {text!r} does not exist (and it is not a Hugging Face repo id either)")
     return _download(text)
+
+
+def looks_like_a_path(text: str) -> bool:
+    """Only a path is written this way: from the root, the home or this folder, or with
+    more folders than a repo id's one ``org/``."""
+    return text.startswith(("/", "~", "./", "../")) or text.count("/") > 1
+
+
+def is_repo_id(text: str) -> bool:
+    """A repo id as the hub itself validates one: ``name`` or ``org/name``."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
