@@ -1,5 +1,7 @@
-"""``load(path_or_repo) -> (model, tokenizer)``: find the checkpoint, build the model from
-its config, load its weights strictly."""
+"""``load(path_or_repo) -> (model, tokenizer)`` in one pass down: find the folder (the hub,
+or the converter for a foreign format), read its files, build the model from them
+(``mlx_tfm.weights.build``: arguments and names by the family, the empty model,
+quantized layers, filled strictly), specialize it for the device, then the tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from .hub import resolve_model_path
 from .model.config import ModelArgs
 from .model.transformer import Model
 from .weights.build import build_model
-from .weights.files import has_safetensors, read_config, read_safetensors
+from .weights.files import has_safetensors, read_checkpoint
 from .weights.sentence_modules import read_sentence_modules
 
 
@@ -37,15 +39,15 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None, shard=None) ->
     ``mlx_tfm.distributed.sharding``) cuts the model to this rank's part while its weights
     are still unread, so only that part is read."""
     folder = readable_folder(Path(folder))
-    config = read_config(folder)
-    model = build_model(config, read_safetensors(folder), folder / "config.json", dtype)
+    config, weights = read_checkpoint(folder)
+    model = build_model(config, weights, folder / "config.json", dtype)
+    if model.args.kind == "encoder":  # its sentence-transformers pipeline, from files of its own
+        model.sentence_modules = read_sentence_modules(folder, config)
     if shard is not None:
         shard(model)
     specialize(model)
     mx.eval(model.parameters())
     model.eval()
-    if model.args.kind == "encoder":
-        model.sentence_modules = read_sentence_modules(folder, config)
     return model, config
 
 

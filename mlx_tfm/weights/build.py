@@ -1,6 +1,9 @@
-"""A model from a folder's parts: its config -> ``ModelArgs`` (the family's table), the
-empty model of that kind, quantized where the checkpoint is, then filled strictly: a
-missing, unexpected or mis-shaped tensor is an error that names it."""
+"""A model from a checkpoint (its config and its tensors as they are on disk), in one pass
+down: the family's table gives the ``ModelArgs`` and our tensor names, the math gives the
+empty model, the quantization policy swaps in quantized layers where the checkpoint is
+quantized, and the tensors fill it strictly: a missing, unexpected or mis-shaped tensor is
+an error that names it. Each step is one function; ``build_model`` calls them in order
+(``mlx_tfm.loading`` reads the folder before and specializes the model after)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,36 @@ from ..model.transformer import Model
 from .files import cast_weights
 from .quantization import quantization_of, quantize_modules
 
-# -- into a model ------------------------------------------------------------------------
+
+def model_args(config: dict, source: Path | str) -> ModelArgs:
+    """config.json -> ``ModelArgs``, by the family's table (or an error naming ``source``)."""
+    try:
+        return model_args_from_config(config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{source} does not describe a model we can build: {e}") from None
+
+
+def empty_model(args: ModelArgs, source: Path | str) -> Model:
+    """The model ``args`` describes (its kind: decoder, encoder or encoder-decoder), its
+    random initialisation lazy (never computed)."""
+    try:
+        return make_model(args)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{source} does not describe a model we can build: {e}") from None
+
+
+def quantize_layers(model: nn.Module, config: dict, weights: dict, source: Path | str) -> None:
+    """Quantized layers wherever the checkpoint (``weights``, in our names) carries
+    quantized tensors; nothing for a float checkpoint. A scheme MLX cannot read (GPTQ,
+    AWQ, ...) is refused by name."""
+    quantization = quantization_of(config, source)
+    if quantization:
+        quantize_modules(model, quantization, weights)
+
+
+def fill_strictly(model: nn.Module, weights: dict, dtype: mx.Dtype | None = None) -> None:
+    """The model's parameters from ``weights`` (cast to ``dtype`` first, when given)."""
+    load_weights_strictly(model, weights if dtype is None else cast_weights(weights, dtype))
 
 
 def load_weights_strictly(model: nn.Module, weights: dict[str, mx.array]) -> None:
@@ -43,33 +75,20 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def model_args(config: dict, source: Path | str) -> ModelArgs:
-    try:
-        return model_args_from_config(config)
-    except (TypeError, ValueError, KeyError) as e:
-        raise UserError(f"{source} does not describe a model we can build: {e}") from None
-
-
-def empty_model(args: ModelArgs, source: Path | str) -> Model:
-    """The model ``args`` describes (its kind: decoder, encoder or encoder-decoder), its
-    random initialisation lazy (never computed)."""
-    try:
-        return make_model(args)
-    except (TypeError, ValueError, KeyError) as e:
-        raise UserError(f"{source} does not describe a model we can build: {e}") from None
-
-
 def build_model(config: dict, weights: dict, source: Path | str, dtype: mx.Dtype | None = None) -> Model:
     """The model ``config`` describes, filled strictly with ``weights`` (a checkpoint in its
     on-disk layout); quantized layers where the checkpoint has quantized tensors. Lazy:
-    nothing is computed until the caller evaluates the parameters."""
+    nothing is computed until the caller evaluates the parameters.
+
+    The arguments come before the names because the family's rewrites split fused
+    tensors by the head counts the arguments hold."""
     args = model_args(config, source)
-    quantization = quantization_of(config, source)
-    mapped = map_weights(config, args, weights)
+    named = map_weights(config, args, weights)
     model = empty_model(args, source)
-    if quantization:
-        quantize_modules(model, quantization, mapped)
-    if dtype is not None:
-        mapped = cast_weights(mapped, dtype)
-    load_weights_strictly(model, mapped)
+    quantize_layers(model, config, named, source)
+    fill_strictly(model, named, dtype)
     return model
+
+
+__all__ = ["build_model", "model_args", "empty_model", "quantize_layers", "fill_strictly",
+           "load_weights_strictly"]

@@ -68,6 +68,11 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
+def read_checkpoint(folder: Path) -> tuple[dict, dict[str, mx.array]]:
+    """A model folder's config.json and its tensors (lazy), as they are on disk."""
+    return read_config(folder), read_safetensors(folder)
+
+
 def cast_weights(weights: dict, dtype: mx.Dtype) -> dict:
     return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
 
