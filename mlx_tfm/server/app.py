@@ -252,6 +252,8 @@ async def http_exception(http: HTTPRequest, exc: HTTPException) -> JSONResponse:
 
 
 async def unexpected_exception(http: HTTPRequest, exc: Exception) -> JSONResponse:
+    """A failure outside the handlers (a middleware's): the same generic 500 (Starlette
+    logs the traceback)."""
     return json_error(internal_error())
 
 

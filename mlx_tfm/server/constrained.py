@@ -127,8 +127,8 @@ class GrammarProcessor:
     Called by the engine once per generated token with every token so far (prompt
     included); the tokens generated since the last call are fed to the matcher first.
     The mask covers the model's whole vocabulary (``vocab_size``), which is often larger
-    than the tokenizer's (``tokenizer_size``, rounded up for the hardware): the ids past
-    the tokenizer's are no text and never allowed."""
+    than the tokenizer's (``tokenizer_size``: models round their embedding rows up): the
+    ids past the tokenizer's are no text and never allowed."""
 
     def __init__(self, matcher, vocab_size: int, tokenizer_size: int):
         self.matcher = matcher
