@@ -103,10 +103,10 @@ class Row:
     def prefilled(self) -> bool:
         return self.pending == 0
 
-    def event(self, token, text, finish_reason, logprob=None, top=None, error=None) -> Event:
+    def event(self, token, text, finish_reason, logprob=None, top=None, error=None, internal=False) -> Event:
         return Event(token=token, text=text, logprob=logprob, top_logprobs=top, finish_reason=finish_reason,
                      prompt_tokens=self.prompt_length, cached_tokens=self.cached_tokens,
-                     generation_tokens=self.generated, error=error)
+                     generation_tokens=self.generated, error=error, internal=internal)
 
 
 @dataclass
@@ -551,9 +551,10 @@ class Engine:
 
     def _fail(self, rows: list[Row], error: BaseException | str) -> None:
         message = error if isinstance(error, str) else one_line(error)
+        internal = not isinstance(error, (str, UserError))  # an unexpected exception, not the engine's own words
         for row in rows:
             if row.finish_reason is None:
-                self._finish(row, row.event(None, "", "error", error=message))
+                self._finish(row, row.event(None, "", "error", error=message, internal=internal))
 
     def _drop_finished(self) -> None:
         """Compact both batches: finished rows leave (to the prompt cache unless they failed)."""

@@ -48,3 +48,4 @@ class Event:
     cached_tokens: int  # prompt tokens served from the shared prompt cache
     generation_tokens: int  # tokens generated so far for this request
     error: str | None = None  # one line, when finish_reason == "error"
+    internal: bool = False  # the error is an unexpected exception's: its text is for the log, not a client

@@ -135,9 +135,11 @@ def failed(serving: Serving, event) -> APIError | None:
     """An engine event that ends a row without an answer."""
     if event.finish_reason == "error" and serving.stopping.is_set():
         return APIError(503, event.error or "server shutting down", code="server_shutting_down")
-    if event.finish_reason == "error":  # the engine's reason is an internal one: for the log, not the client
+    if event.finish_reason == "error" and event.internal:  # an exception's text: for the log, not the client
         log.error("a generation failed: %s", event.error)
         return APIError(500, "the generation failed: see the server log", code="generation_failed")
+    if event.finish_reason == "error":
+        return APIError(500, event.error or "the generation failed", code="generation_failed")
     if event.finish_reason == "cancelled":
         return APIError(500, "the generation was cancelled", code="cancelled")
     return None

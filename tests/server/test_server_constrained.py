@@ -1,7 +1,8 @@
 """Structured output on a model whose vocabulary is larger than its tokenizer's (as most
 real models: their embedding rows are rounded up), through `mlx-tfm server` and the
 openai client; and internal failures (a handler's, a logits processor's inside the
-engine) as OpenAI-shaped 500 bodies that never carry the exception's text."""
+engine) as OpenAI-shaped 500 bodies that never carry the exception's text, while the
+engine's own messages (a UserError) still do."""
 
 from __future__ import annotations
 
@@ -118,6 +119,20 @@ def test_a_stream_whose_processor_raises_ends_with_a_generic_error_event(app_cli
         events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
     assert "[DONE]" not in events
     assert_generic_500(json.loads(events[-1]))
+
+
+def test_the_engines_own_words_still_reach_the_client(app_client, monkeypatch):
+    """A UserError is meant for the client (as the refusal of constrained output on a
+    model split over ranks): its message is the 500's, as it is."""
+    from mlx_tfm.errors import UserError
+    from mlx_tfm.server.constrained import GrammarProcessor
+
+    def refuse(*args, **kwargs):
+        raise UserError("constrained output is refused here")
+
+    monkeypatch.setattr(GrammarProcessor, "__call__", refuse)
+    response = app_client.post("/v1/chat/completions", json=JSON_OBJECT)
+    assert response.status_code == 500 and response.json()["error"]["message"] == "constrained output is refused here"
 
 
 def test_the_server_answers_after_the_failures(app_client):
