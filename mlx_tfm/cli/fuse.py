@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 
+from .training_flags import output_flags
+
 HELP = "Fuse trained adapters into the base model and save it as a model folder."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="base model folder or Hugging Face repo id")
-    p.add_argument("--adapter-path", default="adapters", help="folder with adapters.safetensors (default: adapters)")
-    p.add_argument("--save-path", default="fused_model", help="where to write the fused model (default: fused_model)")
+    p.add_argument("--adapter-path", default="adapters", help="folder with adapters.safetensors (default: %(default)s)")
+    p.add_argument(*output_flags("--save-path"), default="fused_model",
+                   help="where to write the fused model (default: %(default)s)")
     p.add_argument("--dequantize", action="store_true", help="write float weights for a quantized base")
+    p.add_argument("--overwrite", action="store_true", help="replace --save-path if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..training.fuse import fuse_model
 
-    target = fuse_model(args.model, args.adapter_path, args.save_path, args.dequantize)
+    target = fuse_model(args.model, args.adapter_path, args.save_path, args.dequantize, overwrite=args.overwrite)
     print(f"Saved the fused model to {target}")
     return 0

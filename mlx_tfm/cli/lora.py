@@ -7,36 +7,41 @@ import re
 from pathlib import Path
 
 from ..errors import UserError
+from .training_flags import flag_adder, length_flags, output_flags
 
 HELP = "Fine-tune a model with LoRA / QLoRA / DoRA or fully (flags and -c YAML as mlx_lm.lora)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Defaults are None so that a -c YAML value is only overridden by a flag actually given.
-    p.add_argument("--model", help="model folder or Hugging Face repo id")
-    p.add_argument("--train", action="store_true", default=None, help="train")
-    p.add_argument("--data", help="folder with train.jsonl, valid.jsonl, test.jsonl")
-    p.add_argument("--fine-tune-type", choices=["lora", "dora", "full"], help="default: lora")
-    p.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "adafactor"], help="default: adam")
-    p.add_argument("--mask-prompt", action="store_true", default=None, help="loss on completions / the last turn only")
-    p.add_argument("--num-layers", type=int, help="how many of the last layers to fine-tune (-1: all; default 16)")
-    p.add_argument("--batch-size", type=int, help="default: 4")
-    p.add_argument("--iters", type=int, help="default: 1000")
-    p.add_argument("--val-batches", type=int, help="validation batches, -1 for all (default 25)")
-    p.add_argument("--learning-rate", type=float, help="default: 1e-5")
-    p.add_argument("--steps-per-report", type=int, help="default: 10")
-    p.add_argument("--steps-per-eval", type=int, help="default: 200")
-    p.add_argument("--resume-adapter-file", help="start from these adapter weights")
-    p.add_argument("--adapter-path", help="where to save adapters (default: adapters)")
-    p.add_argument("--save-every", type=int, help="save adapters every N steps (default 100)")
-    p.add_argument("--test", action="store_true", default=None, help="report test loss and perplexity")
-    p.add_argument("--test-batches", type=int, help="test batches, -1 for all (default 500)")
-    p.add_argument("--max-seq-length", type=int, help="truncate longer examples (default 2048)")
-    p.add_argument("-c", "--config", help="YAML file with any of these options and lora_parameters")
-    p.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations to save memory")
-    p.add_argument("--grad-accumulation-steps", type=int, help="default: 1")
-    p.add_argument("--log-grad-norms", action="store_true", default=None, help="plot per-layer gradient norms")
-    p.add_argument("--seed", type=int, help="default: 0")
+    from ..training.finetune import FinetuneOptions
+
+    # Defaults are None so that a -c YAML value is only overridden by a flag actually given;
+    # the defaults that apply live in FinetuneOptions and are written into each help.
+    flag = flag_adder(p, FinetuneOptions)
+    flag("--model", help="model folder or Hugging Face repo id")
+    flag("--train", action="store_true", default=None, help="train")
+    flag("--data", help="folder with train.jsonl, valid.jsonl, test.jsonl")
+    flag("--fine-tune-type", choices=["lora", "dora", "full"], help="which weights to train")
+    flag("--optimizer", choices=["adam", "adamw", "sgd", "adafactor"], help="the optimizer")
+    flag("--mask-prompt", action="store_true", default=None, help="loss on completions / the last turn only")
+    flag("--num-layers", type=int, help="how many of the last layers to fine-tune (-1: all)")
+    flag("--batch-size", type=int, help="examples per optimizer step")
+    flag("--iters", type=int, help="optimizer steps")
+    flag("--val-batches", type=int, help="validation batches (-1: all)")
+    flag("--learning-rate", type=float, help="the learning rate (-c lr_schedule: a schedule)")
+    flag("--steps-per-report", type=int, help="print the training loss every N steps")
+    flag("--steps-per-eval", type=int, help="validate every N steps")
+    flag("--resume-adapter-file", help="start from these adapter weights")
+    flag(*output_flags("--adapter-path"), help="where to save adapters")
+    flag("--save-every", type=int, help="save adapters every N steps")
+    flag("--test", action="store_true", default=None, help="report test loss and perplexity")
+    flag("--test-batches", type=int, help="test batches (-1: all)")
+    flag(*length_flags("--max-seq-length"), type=int, help="truncate longer examples to this many tokens")
+    flag("-c", "--config", help="YAML file with any of these options and lora_parameters")
+    flag("--grad-checkpoint", action="store_true", default=None, help="recompute activations to save memory")
+    flag("--grad-accumulation-steps", type=int, help="micro-batches summed into each optimizer step")
+    flag("--log-grad-norms", action="store_true", default=None, help="plot per-layer gradient norms")
+    flag("--seed", type=int, help="seed of the data order, dropout and the adapters' initial weights")
 
 
 def run(args: argparse.Namespace) -> int:

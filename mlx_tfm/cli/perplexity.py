@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from .training_flags import length_flags
+
 HELP = "Perplexity of a model on a text file, jsonl file or data folder, with its standard error."
 
 
@@ -16,15 +18,16 @@ def add_arguments(parser) -> None:
                         help="a .txt file, a .jsonl file (text, prompt-completion or chat records) or a folder as "
                              "`mlx-tfm lora` takes (its test.jsonl, else valid.jsonl, else train.jsonl)")
     parser.add_argument("--split", choices=("train", "valid", "test"), help="which file of a data folder to read")
-    parser.add_argument("--sequence-length", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument(*length_flags("--sequence-length"), type=int, default=512,
+                        help="tokens per window (default: %(default)s)")
     parser.add_argument("--stride", type=int,
                         help="tokens between window starts (default: the sequence length, windows back to back as "
                              "mlx_lm.perplexity; smaller: overlapping windows, each scoring its last STRIDE tokens)")
-    parser.add_argument("--num-samples", type=int, default=-1, help="use the first N windows (default -1: all)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
-    parser.add_argument("--seed", type=int, default=123, help="order of jsonl records (default 123, as mlx_lm)")
+    parser.add_argument("--num-samples", type=int, default=-1, help="use the first N windows (-1: all; default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=123, help="order of jsonl records (default: %(default)s, as mlx_lm)")
     parser.add_argument("--kv-bits", type=int, help="compute through a KV cache quantized to 4 or 8 bits")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default 64)")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default: %(default)s)")
 
 
 class ProgressBar:

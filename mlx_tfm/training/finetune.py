@@ -26,10 +26,10 @@ from ..weights.adapters import (
     save_adapters,
 )
 from .data import LengthGroupedBatches
-from .options import Rule, check_options, one_of, positive, whole
+from .options import LOOP_RULES, LoopOptions, Rule, check_options, one_of, positive, whole
 from .reporting import ProgressReporter
 from .seq2seq import check_prompts, loss_for
-from .trainer import TrainingArgs, TrainingDiverged, evaluate, loss_fn, train
+from .trainer import TrainingDiverged, evaluate, loss_fn, train, training_args
 
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "adafactor": optim.Adafactor}
 SCHEDULES = {
@@ -40,12 +40,15 @@ SCHEDULES = {
 }
 
 
-@dataclass(frozen=True)
-class FinetuneOptions:
+@dataclass(frozen=True, kw_only=True)
+class FinetuneOptions(LoopOptions):
     """What ``mlx-tfm lora`` runs with: ``mlx_lm.lora``'s options by its names (flags and
     YAML keys) with its defaults, so a recipe means the same thing in both. Checked when
     created: a bad value is one line naming the option. Build it with ``from_dict``."""
 
+    # The loop's options (batch_size, iters, val_batches, steps_per_report, steps_per_eval,
+    # save_every, grad_accumulation_steps, grad_checkpoint, log_grad_norms, seed) come from
+    # LoopOptions with mlx-lm's defaults.
     model: str | None = None
     train: bool = False
     data: str = "data"
@@ -54,24 +57,14 @@ class FinetuneOptions:
     optimizer_config: dict = field(default_factory=dict)  # {optimizer name: {its keyword arguments}}
     mask_prompt: bool = False
     num_layers: int = 16  # -1: every layer
-    batch_size: int = 4
-    iters: int = 1000
-    val_batches: int = 25  # -1: all
     learning_rate: float = 1e-5
-    steps_per_report: int = 10
-    steps_per_eval: int = 200
     resume_adapter_file: str | None = None
     adapter_path: str = "adapters"
-    save_every: int = 100
     test: bool = False
     test_batches: int = 500  # -1: all
     max_seq_length: int = 2048
-    grad_checkpoint: bool = False
-    grad_accumulation_steps: int = 1
     lr_schedule: dict | None = None  # {name, arguments, warmup, warmup_init}
     lora_parameters: dict = field(default_factory=lambda: dict(LORA_DEFAULTS))  # rank, scale, dropout, keys
-    seed: int = 0
-    log_grad_norms: bool = False
 
     @classmethod
     def from_dict(cls, values: dict, source: str | None = None) -> "FinetuneOptions":
@@ -104,12 +97,9 @@ FINETUNE_RULES = {
                              "a mapping of optimizer name to its settings"),
     "mask_prompt": Rule(bool),
     "num_layers": Rule(int, lambda v: v == -1 or v >= 1, "-1 (every layer) or a whole number >= 1"),
-    "batch_size": whole(1), "iters": whole(1), "val_batches": Rule(int), "learning_rate": positive(),
-    "steps_per_report": whole(1), "steps_per_eval": whole(0), "resume_adapter_file": Rule(str, optional=True),
-    "adapter_path": Rule(str), "save_every": whole(1), "test": Rule(bool), "test_batches": Rule(int),
-    "max_seq_length": whole(2), "grad_checkpoint": Rule(bool), "grad_accumulation_steps": whole(1),
-    "lr_schedule": Rule(dict, optional=True), "lora_parameters": Rule(dict), "seed": whole(0),
-    "log_grad_norms": Rule(bool),
+    **LOOP_RULES, "learning_rate": positive(), "resume_adapter_file": Rule(str, optional=True),
+    "adapter_path": Rule(str), "test": Rule(bool), "test_batches": Rule(int), "max_seq_length": whole(2),
+    "lr_schedule": Rule(dict, optional=True), "lora_parameters": Rule(dict),
 }  # fmt: skip
 FLAGLESS = ("optimizer_config", "lr_schedule", "lora_parameters")  # YAML only
 
@@ -204,21 +194,6 @@ def finetune(options: FinetuneOptions) -> int:
         test_loss = evaluate(model, world.rows_of(batches), loss, world.group)
         print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(min(test_loss, 700)):.3f}.")
     return 0
-
-
-def training_args(options: FinetuneOptions) -> TrainingArgs:
-    return TrainingArgs(
-        batch_size=options.batch_size,
-        iters=options.iters,
-        val_batches=options.val_batches,
-        steps_per_report=options.steps_per_report,
-        steps_per_eval=options.steps_per_eval,
-        steps_per_save=options.save_every,
-        grad_accumulation_steps=options.grad_accumulation_steps,
-        grad_checkpoint=options.grad_checkpoint,
-        log_grad_norms=options.log_grad_norms,
-        seed=options.seed,
-    )
 
 
 def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path, loss=loss_fn,

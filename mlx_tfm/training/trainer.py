@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..errors import UserError
 from .data import Batch
+from .options import LoopOptions
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,24 @@ class TrainingArgs:
     grad_checkpoint: bool = False
     log_grad_norms: bool = False
     seed: int = 0
+
+
+def training_args(options: LoopOptions, grad_clip: float | None = None) -> TrainingArgs:
+    """The loop's arguments from a command's options (``save_every`` is ``steps_per_save``);
+    ``grad_clip`` 0 or None: no clipping."""
+    return TrainingArgs(
+        batch_size=options.batch_size,
+        iters=options.iters,
+        val_batches=options.val_batches,
+        steps_per_report=options.steps_per_report,
+        steps_per_eval=options.steps_per_eval,
+        steps_per_save=options.save_every,
+        grad_accumulation_steps=options.grad_accumulation_steps,
+        grad_clip=grad_clip or None,
+        grad_checkpoint=options.grad_checkpoint,
+        log_grad_norms=options.log_grad_norms,
+        seed=options.seed,
+    )
 
 
 class TrainingDiverged(UserError):

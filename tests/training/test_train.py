@@ -244,6 +244,81 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, mo
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+def reported_learning_rates(out: str) -> dict[int, float]:
+    """{step: learning rate} of the report lines (``Iter 10: Train loss ..., Learning Rate 1.000e-04, ...``)."""
+    return {int(line.split()[1].rstrip(":")): float(line.split("Learning Rate ")[1].split(",")[0])
+            for line in out.splitlines() if "Learning Rate" in line}
+
+
+def test_resume_with_a_larger_iters_trains_on_to_it(tmp_path, capsys):
+    """--iters, --steps-per-eval and --save-every given on --resume apply. The schedule keeps
+    its length (the steps already taken had its rates), so the steps past it run at the floor."""
+    corpus = shakespeare_head(tmp_path)
+    out = tmp_path / "run"
+    assert train_cli(corpus, out, "--iters", "8", "--save-every", "4", "--steps-per-eval", "4") == 0
+    first = json.loads((out / "training_log.json").read_text())
+    capsys.readouterr()
+    assert main(["train", "--data", str(corpus), "--output", str(out), "--resume", "--iters", "12",
+                 "--steps-per-eval", "2", "--save-every", "2"]) == 0
+    captured = capsys.readouterr()
+    log = json.loads((out / "training_log.json").read_text())
+    assert [step for step, _ in log["train"]] == list(range(1, 13)) and log["train"][:8] == first["train"]
+    assert [step for step, _ in log["valid"]] == [0, 4, 8, 10, 12]
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-0000010", "step-0000012"]
+    # train_cli's --steps-per-report 5 comes from the checkpoint (the default is 10)
+    assert reported_learning_rates(captured.out) == {10: pytest.approx(1e-4), 12: pytest.approx(1e-4)}
+    assert "note: the learning-rate schedule keeps its 8 steps: steps 9-12 run at --min-learning-rate 0.0001" in captured.err
+    assert "keeps the checkpoint's" not in captured.err  # --data given as before overrides nothing
+
+
+def test_trajectory_flags_given_on_resume_are_named_and_the_checkpoints_kept(tmp_path, capsys):
+    corpus = shakespeare_head(tmp_path)
+    out = tmp_path / "run"
+    assert train_cli(corpus, out, "--iters", "4", "--save-every", "4", "--steps-per-eval", "0") == 0
+    capsys.readouterr()
+    resume = ["train", "--data", str(corpus), "--output", str(out), "--resume"]
+    assert main([*resume, "--iters", "6", "--seed", "9", "--batch-size", "4", "--learning-rate", "3e-3",
+                 "--seq-len", "32"]) == 0
+    captured = capsys.readouterr()
+    named = [line for line in captured.err.splitlines() if "keeps the checkpoint's" in line]
+    assert named == ["warning: --resume keeps the checkpoint's --batch-size 8 (not 4), --seq-len 64 (not 32), "
+                     "--seed 0 (not 9): they fix the trajectory it continues"]  # --learning-rate: the same
+    settings = json.loads((out / "checkpoints" / "step-0000006" / "trainer" / "state.json").read_text())["settings"]
+    assert (settings["batch_size"], settings["seq_len"], settings["seed"], settings["iters"]) == (8, 64, 0, 6)
+    assert sorted(reported_learning_rates(captured.out)) == [5, 6]  # the checkpoint's --steps-per-report 5
+    assert main([*resume, "--iters", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --iters 2: the newest checkpoint, ") and err.endswith(
+        "step-0000006, is already at step 6; give a larger --iters to train on\n")
+
+
+def test_every_option_is_either_kept_or_followed_on_resume():
+    from mlx_tfm.training.options import FOLLOWED_ON_RESUME, KEPT_ON_RESUME, PretrainOptions
+
+    names = {f.name for f in dataclasses.fields(PretrainOptions)} - {"output", "resume"}
+    assert sorted(KEPT_ON_RESUME + FOLLOWED_ON_RESUME) == sorted(names)
+
+
+def test_the_default_warmup_is_cut_to_a_shorter_run(tmp_path, capsys):
+    """The default 100 warmup steps over a 6-step run would end it at 6% of the peak rate:
+    the warmup is cut to the run, which then reaches the peak at its last step."""
+    code = main(["train", "--data", str(shakespeare_head(tmp_path, 20_000)), "--output", str(tmp_path / "run"),
+                 "--config", "micro", "--batch-size", "4", "--seq-len", "32", "--iters", "6", "--learning-rate",
+                 "3e-3", "--steps-per-report", "3", "--steps-per-eval", "0"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "note: the default warmup of 100 steps is longer than the run: warming up over its 6 steps (--iters)" \
+        in captured.err.splitlines()
+    assert reported_learning_rates(captured.out) == {3: pytest.approx(1.5e-3), 6: pytest.approx(3e-3)}
+
+
+def test_a_warmup_set_longer_than_the_run_is_refused_before_any_work(tmp_path, capsys):
+    argv = ["train", "--data", str(tmp_path / "none.txt"), "--output", str(tmp_path / "out"), "--iters", "6"]
+    assert main([*argv, "--warmup-steps", "10"]) == 1
+    assert capsys.readouterr().err == "error: --warmup-steps 10 is longer than the run (--iters 6); give at most 6 warmup steps\n"
+    assert not (tmp_path / "out").exists()
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 
@@ -350,7 +425,9 @@ def test_train_command_errors(tmp_path, capsys):
     empty.write_text("\n")
     assert main(["train", "--data", str(empty), "--output", str(tmp_path / "w")]) == 1
     assert f"corpus {empty} is empty" in capsys.readouterr().err
-    assert train_cli(corpus, tmp_path / "v", "--iters", "2", "--save-every", "2", "--steps-per-eval", "0") == 0
+    # (a warmup the person sets may not outlast the run: train_cli's 4 steps are cut to 2)
+    assert train_cli(corpus, tmp_path / "v", "--iters", "2", "--warmup-steps", "2", "--save-every", "2",
+                     "--steps-per-eval", "0") == 0
     assert train_cli(corpus, tmp_path / "v", "--iters", "2") == 1
     assert "already has checkpoints; pass --resume" in capsys.readouterr().err
 
