@@ -33,7 +33,7 @@ def _help(session: ChatSession, argument: str) -> str:
     return "\n".join(
         ["Commands:", *lines,
          f"  {MULTILINE_MARK.ljust(width)}  begin and end a message of several lines",
-         "Ctrl-C stops an answer; at an empty prompt, Ctrl-C or Ctrl-D leaves."]
+         "Ctrl-C stops an answer or clears the line; Ctrl-D, /bye or Ctrl-C twice at an empty prompt leaves."]
     )
 
 
