@@ -101,6 +101,8 @@ def test_rerank_scores_equal_cross_encoder_predict(folders, capsys):
     (["embed", "--model", "{st}", "--text", "a", "--prompt-name", "passage"],
      "error: unknown prompt name 'passage'; this model's prompts: document, query"),
     (["embed", "--model", "{st}", "--text", "a", "--dimensions", "0"], "error: dimensions must be at least 1, got 0"),
+    (["embed", "--model", "{st}", "--text", "a", "--dimensions", "256"],
+     "error: dimensions must be at most 16 (this model's embedding size), got 256"),
     (["fill-mask", "--model", "{mlm}", "--text", "no mask here"], "error: the text has no [MASK] token to fill"),
     (["fill-mask", "--model", "{st}", "--text", "a [MASK]"], "error: fill-mask needs a masked-LM model"),
     (["rerank", "--model", "{mlm}", "--query", "q", "--documents", "d"], "error: reranking needs a cross-encoder"),
