@@ -80,6 +80,9 @@ def test_prompt_cache_file_is_created_then_reused(stories_hf, tmp_path):
 def test_rotating_cache_flag_generates_past_the_context(stories_hf):
     result = mlx_tfm("--model", str(stories_hf), "--prompt", "", "-m", "700", "--max-kv-size", "64")
     assert result.returncode == 0 and "Generation: 700 tokens" in result.stderr
+    model, tokenizer = load(stories_hf)
+    expected = generate(model, tokenizer, "", max_tokens=700, max_kv_size=64)  # greedy, as the CLI default
+    assert result.stdout == expected + "\n"
 
 
 def test_no_model_offline_uses_the_shipped_model_with_a_notice(tmp_path):
