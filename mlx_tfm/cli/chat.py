@@ -23,6 +23,7 @@ import termios
 import threading
 
 from . import decoding_flags, sharding_flags
+from .flags import free_text
 
 HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
 
@@ -32,8 +33,10 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", default=None, help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
                         "or the tiny model shipped with mlx-tfm when offline)")
-    parser.add_argument("--adapter-path", default=None, help="LoRA adapters to apply (a folder from `mlx-tfm lora`)")
-    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA adapters to apply (a folder from `mlx-tfm lora`; default: none)")
+    parser.add_argument("--system-prompt", default=None, type=free_text,
+                        help="system prompt for the chat template (default: none)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
@@ -42,7 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("-m", "--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     parser.add_argument(
         "--max-kv-size", type=int, default=None,
-        help="bound the KV cache (and so the context) to this many tokens",
+        help="bound the KV cache (and so the context) to this many tokens (default: the model's context)",
     )
     decoding_flags.add_arguments(parser)
     sharding_flags.add_arguments(parser)
