@@ -33,7 +33,7 @@ def _help(session: ChatSession, argument: str) -> str:
     return "\n".join(
         ["Commands:", *lines,
          f"  {MULTILINE_MARK.ljust(width)}  begin and end a message of several lines",
-         "Ctrl-C stops an answer; at an empty prompt, Ctrl-C or Ctrl-D leaves."]
+         "Ctrl-C stops an answer or clears the line; Ctrl-D, /bye or Ctrl-C twice at an empty prompt leaves."]
     )
 
 
@@ -101,14 +101,16 @@ def _needs_file(argument: str, command: str) -> str:
 
 def _save(session: ChatSession, argument: str) -> str:
     path = _needs_file(argument, "save")
-    session.save(path)
-    return f"Saved the conversation ({len(session.conversation.turns)} messages) to {path}."
+    written = session.save(path)
+    return f"Saved the conversation ({written} messages) to {path}."
 
 
 def _load(session: ChatSession, argument: str) -> str:
     path = _needs_file(argument, "load")
     n_tokens = session.load(path)
-    return f"Loaded {len(session.conversation.turns)} messages from {path} ({n_tokens} tokens in the cache)."
+    system = " and the system prompt" if session.conversation.system else ""
+    return (f"Loaded {len(session.conversation.turns)} messages{system} from {path} "
+            f"({n_tokens} tokens in the cache).")
 
 
 def _undo(session: ChatSession, argument: str) -> str:

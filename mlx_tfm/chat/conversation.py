@@ -114,12 +114,18 @@ class Conversation:
         return True
 
 
-def save_conversation(path: str | Path, conversation: Conversation, model: str) -> None:
+def save_conversation(path: str | Path, conversation: Conversation, model: str) -> int:
     """Write ``{"model": ..., "messages": [...]}`` (the system prompt first, as a message):
-    the same ``messages`` list chat-format training data uses."""
-    data = {"model": model, "messages": conversation.messages()}
+    the same ``messages`` list chat-format training data uses. Returns how many messages
+    were written. The folder must exist: a mistyped one is refused, not created."""
+    path = Path(path).expanduser()
+    if not path.parent.is_dir():
+        raise UserError(f"cannot save to {path}: the folder {path.parent} does not exist")
+    messages = conversation.messages()
     with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps({"model": model, "messages": messages}, indent=2, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+    return len(messages)
 
 
 def load_conversation(path: str | Path) -> Conversation:
@@ -351,8 +357,9 @@ class ChatSession:
         """Drop the last exchange; the cache is trimmed at the next turn."""
         return self.conversation.undo()
 
-    def save(self, path: str | Path) -> None:
-        save_conversation(path, self.conversation, self.model_name)
+    def save(self, path: str | Path) -> int:
+        """Save the conversation (``save_conversation``); returns how many messages were written."""
+        return save_conversation(path, self.conversation, self.model_name)
 
     def load(self, path: str | Path) -> int:
         """Replace the conversation with a saved one and rebuild the cache for it."""

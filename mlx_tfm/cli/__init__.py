@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from ..errors import UserError
+from .flags import HelpFormatter, mark_free_text
 
 SUBCOMMANDS = {
     "info": "mlx_tfm.cli.info",
@@ -41,14 +42,22 @@ def _available_subcommands() -> dict:
     return modules
 
 
-def build_parser(modules: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-tfm", description="On-device transformer runtime on MLX.")
+def build_parser(modules: dict) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `mlx-tfm` parser, and each subcommand's parser by name (defaults shown in --help)."""
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="mlx-tfm", description="On-device transformer runtime on MLX.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mlx-tfm {__version__}",
+                        help="show mlx-tfm's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = {}
     for name, module in modules.items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=HelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
-    return parser
+        subparsers[name] = p
+    return parser, subparsers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             modules = _available_subcommands()
     else:
         modules = _available_subcommands()
-    parser = build_parser(modules)
+    parser, subparsers = build_parser(modules)
+    if argv and argv[0] in subparsers:
+        argv = [argv[0], *mark_free_text(argv[1:], subparsers[argv[0]])]
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

@@ -23,6 +23,7 @@ import termios
 import threading
 
 from . import decoding_flags, sharding_flags
+from .flags import free_text
 
 HELP = "Chat with a model in the terminal (multi-turn, streaming, /help for commands)."
 
@@ -32,8 +33,10 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", default=None, help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
                         "or the tiny model shipped with mlx-tfm when offline)")
-    parser.add_argument("--adapter-path", default=None, help="LoRA adapters to apply (a folder from `mlx-tfm lora`)")
-    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    parser.add_argument("--adapter-path", default=None,
+                        help="LoRA adapters to apply (a folder from `mlx-tfm lora`; default: none)")
+    parser.add_argument("--system-prompt", default=None, type=free_text,
+                        help="system prompt for the chat template (default: none)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
@@ -42,7 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("-m", "--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     parser.add_argument(
         "--max-kv-size", type=int, default=None,
-        help="bound the KV cache (and so the context) to this many tokens",
+        help="bound the KV cache (and so the context) to this many tokens (default: the model's context)",
     )
     decoding_flags.add_arguments(parser)
     sharding_flags.add_arguments(parser)
@@ -52,8 +55,9 @@ def add_arguments(parser) -> None:
 
 
 class TerminalReader:
-    """Line editing and history through prompt_toolkit. Ctrl-C clears a typed line, or
-    leaves at an empty one (KeyboardInterrupt); Ctrl-D at an empty line is EOFError."""
+    """Line editing and history through prompt_toolkit. Ctrl-C clears a typed line; at an
+    empty line it is KeyboardInterrupt (the REPL asks again), and a second Ctrl-C right
+    after it, with nothing typed between, leaves as Ctrl-D does (EOFError)."""
 
     def __init__(self):
         from prompt_toolkit import PromptSession
@@ -61,17 +65,25 @@ class TerminalReader:
         from prompt_toolkit.key_binding import KeyBindings
 
         bindings = KeyBindings()
+        self._interrupted_at_empty_line = False  # the last key at a prompt was Ctrl-C on an empty line
 
         @bindings.add("c-c")
-        def _clear_or_leave(event):
+        def _clear_or_interrupt(event):
             buffer = event.app.current_buffer
             if buffer.text:
                 buffer.reset()
+            elif self._interrupted_at_empty_line:
+                event.app.exit(exception=EOFError())
             else:
+                self._interrupted_at_empty_line = True
                 event.app.exit(exception=KeyboardInterrupt())
 
         self._session = PromptSession(history=InMemoryHistory(), key_bindings=bindings)
+        self._session.default_buffer.on_text_changed += self._typed
         self._typed_ahead: list[str | None] = []  # lines typed while the model worked; None: Ctrl-D
+
+    def _typed(self, buffer) -> None:
+        self._interrupted_at_empty_line = False
 
     def read(self, prompt: str) -> str:
         if self._typed_ahead:
@@ -79,8 +91,10 @@ class TerminalReader:
             if line is None:
                 raise EOFError
             sys.stdout.write(f"{prompt}{line}\n")
-            return line
-        return self._session.prompt(prompt)
+        else:
+            line = self._session.prompt(prompt)
+        self._interrupted_at_empty_line = False
+        return line
 
     @contextlib.contextmanager
     def busy(self):
@@ -95,10 +109,14 @@ class TerminalReader:
 
 
 class PipeReader:
-    """Plain ``input()`` for piped stdin; no prompt is written."""
+    """Plain ``input()`` for piped stdin; no prompt is written. Ctrl-C leaves: there is
+    no prompt to go back to, and Ctrl-D cannot be typed into a pipe."""
 
     def read(self, prompt: str) -> str:
-        return input()
+        try:
+            return input()
+        except KeyboardInterrupt:
+            raise EOFError from None
 
     def busy(self):
         """Nothing to change: there is no terminal to read Ctrl-C from."""
@@ -228,17 +246,26 @@ def stream_answer(session, message: str, screen: Screen) -> None:
     screen.write("\n")
 
 
+# What Ctrl-C at an empty prompt answers (Ollama's hint) instead of leaving: one Ctrl-C,
+# such as one meant for an answer that ended just before, never loses the conversation.
+LEAVE_HINT = "Use Ctrl-D or /bye to exit, or press Ctrl-C again."
+
+
 def repl(session, reader, screen: Screen) -> int:
-    """Read messages and commands until /bye, Ctrl-D, or Ctrl-C at an empty prompt."""
+    """Read messages and commands until /bye, Ctrl-D, or Ctrl-C twice at an empty prompt."""
     from ..chat.commands import Quit, run_command
     from ..errors import UserError
 
     while True:
         try:
             message = read_message(reader)
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             screen.end_line()
             return 0
+        except KeyboardInterrupt:
+            screen.end_line()
+            screen.write(LEAVE_HINT + "\n")
+            continue
         if not message.strip():
             continue
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .flags import add_output_argument
+
 HELP = "Convert a Hugging Face, llama2.c, GGUF or MLX checkpoint into an MLX folder (optionally quantized)."
 
 
@@ -14,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="Source: a local folder, a llama2.c .bin or .gguf file, or a Hugging Face repo id.",
     )
-    parser.add_argument("--mlx-path", default="mlx_model", help="Output folder (default: mlx_model).")
+    add_output_argument(parser, "--mlx-path", default="mlx_model", metavar="FOLDER",
+                        help="Output folder (default: mlx_model).")
     parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights.")
     parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128), help="Quantization group size (default 64).")
     parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="Bits per weight (default 4).")
@@ -29,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"),
         default=None,
         help="With -q: mlx_lm.convert's mixed-bit recipe (e.g. mixed_3_6: 6 bits for the LM head and for v_proj and "
-        "down_proj in a third of the layers, 3 for the rest). Routers of mixture-of-experts models stay at 8 bits.",
+        "down_proj in a third of the layers, 3 for the rest). Routers of mixture-of-experts models stay at 8 bits. "
+        "(default: none, every weight at --q-bits)",
     )
     parser.add_argument("-d", "--dequantize", action="store_true", help="Dequantize a quantized source.")
     parser.add_argument("--overwrite", action="store_true", help="Replace --mlx-path if it exists.")

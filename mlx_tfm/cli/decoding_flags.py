@@ -11,7 +11,8 @@ from __future__ import annotations
 def add_arguments(parser) -> None:
     from ..model.cache import DEFAULT_QUANTIZED_KV_START
 
-    parser.add_argument("--draft-model", help="a smaller model with the same tokenizer, for speculative decoding")
+    parser.add_argument("--draft-model", help="a smaller model with the same tokenizer, for speculative decoding "
+                                                  "(default: none)")
     parser.add_argument("--num-draft-tokens", type=int, default=3,
                         help="tokens the draft model guesses ahead per step of the model (default 3)")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=0,

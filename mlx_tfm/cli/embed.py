@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from .flags import add_output_argument, free_text
+
 HELP = "Embed texts with an encoder model (sentence-transformers folders, BERT family)."
 FORMATS = ("json", "npy")
 
@@ -16,16 +18,21 @@ FORMATS = ("json", "npy")
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="model folder or Hugging Face repo")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", nargs="+", help="texts to embed")
+    source.add_argument("--text", nargs="+", type=free_text, help="texts to embed")
     source.add_argument("--file", help="a text file: one text per line ('-' for stdin)")
     parser.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
-    parser.add_argument("--pooling", help="override the folder's pooling: cls, mean, max, lasttoken, ...")
-    parser.add_argument("--normalize", action="store_true", default=None, help="scale each vector to length 1")
+    parser.add_argument("--pooling",
+                        help="override the folder's pooling: cls, mean, max, lasttoken, ... (default: the folder's)")
+    parser.add_argument("--normalize", action="store_true", default=None,
+                        help="scale each vector to length 1 (default: as the folder says, with its Normalize module)")
     parser.add_argument("--no-normalize", dest="normalize", action="store_false", help="do not normalise")
-    parser.add_argument("--prompt-name", help="one of the model's prompts (config_sentence_transformers.json)")
-    parser.add_argument("--dimensions", type=int, help="keep the first N dimensions (Matryoshka models)")
+    parser.add_argument("--prompt-name",
+                        help="one of the model's prompts (config_sentence_transformers.json; default: its default "
+                             "prompt, if it names one)")
+    parser.add_argument("--dimensions", type=int,
+                        help="keep the first N dimensions (Matryoshka models; default: all of them)")
     parser.add_argument("--format", default="json", help="json (default) or npy")
-    parser.add_argument("--output", "-o", help="write here instead of stdout")
+    add_output_argument(parser, "--output", "-o", metavar="FILE", help="write here (default: stdout)")
 
 
 def read_lines(path: str) -> list[str]:

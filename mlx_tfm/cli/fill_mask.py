@@ -6,12 +6,14 @@ line between mask tokens); ``--format json`` gives the same as a list per mask t
 
 from __future__ import annotations
 
+from .flags import free_text
+
 HELP = "Fill the mask tokens of a text with a masked-LM encoder (BERT, RoBERTa, ModernBERT...)."
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="model folder or Hugging Face repo (a *ForMaskedLM)")
-    parser.add_argument("--text", required=True, help='e.g. "Paris is the [MASK] of France."')
+    parser.add_argument("--text", required=True, type=free_text, help='e.g. "Paris is the [MASK] of France."')
     parser.add_argument("--top-k", type=int, default=5, help="guesses per mask token (default 5)")
     parser.add_argument("--format", default="text", help="text (default) or json")
 

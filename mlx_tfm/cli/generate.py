@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import decoding_flags, sharding_flags
+from .flags import free_text
 
 HELP = "Generate text from a prompt with a model folder or Hugging Face repo."
 
@@ -32,23 +33,28 @@ def str_to_bool(text: str) -> bool:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
                         "or the tiny model shipped with mlx-tfm when offline)")
-    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply")
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt, or '-' to read it from stdin")
-    parser.add_argument("--system-prompt", help="system message for the chat template")
+    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply (default: none)")
+    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, type=free_text,
+                        help="the prompt, or '-' to read it from stdin")
+    parser.add_argument("--system-prompt", type=free_text, help="system message for the chat template (default: none)")
     parser.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: all)")
     parser.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this fraction as probable as the top")
-    parser.add_argument("--repetition-penalty", type=float, help="penalty for recent tokens (1: none)")
+    parser.add_argument("--repetition-penalty", type=float, help="penalty for recent tokens (1: none; default: off)")
     parser.add_argument("--repetition-context-size", type=int, default=20, help="how many recent tokens are penalised")
-    parser.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
-    parser.add_argument("--max-kv-size", type=int, help="bound the KV cache to this many positions (rotating)")
-    parser.add_argument("--prompt-cache-file", help="reuse (or create) a saved cache of the prompt's prefix")
-    parser.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    parser.add_argument("--seed", type=int, help="random seed, for reproducible sampling (default: unseeded)")
+    parser.add_argument("--max-kv-size", type=int,
+                        help="bound the KV cache to this many positions, rotating (default: unbounded, up to the "
+                             "model's context)")
+    parser.add_argument("--prompt-cache-file",
+                        help="reuse (or create) a saved cache of the prompt's prefix (default: none)")
+    parser.add_argument("--stop", action="append", default=[], type=free_text,
+                        help="stop when this text appears (repeatable; default: none)")
     parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
-                        help="print the statistics at the end (--verbose false: only the text)")
+                        help="print the statistics at the end (default: true; --verbose false: only the text)")
     decoding_flags.add_arguments(parser)
     sharding_flags.add_arguments(parser)
 

@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .flags import add_output_argument, free_text
+
 HELP = "Show a model's anatomy: parameters and bytes by part, KV cache, FLOPs, attention and the residual stream."
 
 
@@ -19,10 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder, Hugging Face repo, GGUF or llama2.c file")
     p.add_argument("--context", type=int,
                    help="KV-cache bytes and FLOPs at this many tokens (default: the model's context)")
-    p.add_argument("--prompt",
-                   help="trace this text: residual-stream norms and the logit lens (attention maps with --out)")
-    p.add_argument("--out", help="folder for the pictures (PNG) of --prompt and --compare")
-    p.add_argument("--compare", metavar="B", help="a second model: which tensors differ from --model, and by how much")
+    p.add_argument("--prompt", type=free_text,
+                   help="trace this text: residual-stream norms and the logit lens (attention maps with --out; "
+                        "default: no trace)")
+    add_output_argument(p, "--out", metavar="FOLDER",
+                        help="folder for the pictures (PNG) of --prompt and --compare (default: no pictures)")
+    p.add_argument("--compare", metavar="B",
+                   help="a second model: which tensors differ from --model, and by how much (default: none)")
     p.add_argument("--json", action="store_true", help="print everything as one JSON object")
 
 

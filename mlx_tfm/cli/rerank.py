@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import sys
 
+from .flags import free_text
+
 HELP = "Rank documents by relevance to a query with a cross-encoder (reranker) model."
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="model folder or Hugging Face repo (a cross-encoder)")
-    parser.add_argument("--query", required=True, help="the query")
+    parser.add_argument("--query", required=True, type=free_text, help="the query")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--documents", nargs="+", help="documents to rank")
+    source.add_argument("--documents", nargs="+", type=free_text, help="documents to rank")
     source.add_argument("--file", help="a text file: one document per line ('-' for stdin)")
-    parser.add_argument("--top-k", type=int, help="show only the k most relevant")
+    parser.add_argument("--top-k", type=int, help="show only the k most relevant (default: all)")
     parser.add_argument("--batch-size", type=int, default=32, help="pairs per forward pass (default 32)")
     parser.add_argument("--format", default="text", help="text (default) or json")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import decoding_flags, sharding_flags
+from .flags import free_text
 
 HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prompt cache)."
 
@@ -18,12 +19,15 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
                         "or the tiny model shipped with mlx-tfm when offline)")
-    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply")
+    parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply (default: none)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
     key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key", help="require this key (Authorization: Bearer KEY) on every endpoint but /health")
-    key.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
+    key.add_argument("--api-key", type=free_text,
+                     help="require this key (Authorization: Bearer KEY) on every endpoint but /health "
+                          "(default: none, no key)")
+    key.add_argument("--api-key-file",
+                     help="read the API key from this file (keeps it out of the process list; default: none)")
     parser.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
                         help="origins allowed by CORS, comma-separated (default: *)")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per answer when a request sets none (default: 512)")
@@ -39,7 +43,9 @@ def add_arguments(parser) -> None:
                              "read (default: 2048, as mlx_lm.server)")
     parser.add_argument("--prompt-cache-bytes", default="1GiB",
                         help="memory for cached prompt prefixes shared across requests, e.g. 512MB (default: 1GiB)")
-    parser.add_argument("--max-kv-size", type=int, help="bound each request's KV cache to this many positions (rotating)")
+    parser.add_argument("--max-kv-size", type=int,
+                        help="bound each request's KV cache to this many positions, rotating (default: unbounded, up "
+                             "to the model's context)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
     decoding_flags.add_arguments(parser)  # refused with one line: see decoding_flags.refuse_in_server
     sharding_flags.add_arguments(parser)

@@ -115,7 +115,8 @@ def encode(model, tokenizer, texts: str | list[str], batch_size: int = 32, norma
     """Embeddings (N, dims) float32 of ``texts`` (one (dims,) vector for a single string).
 
     ``normalize``: None follows the folder (its Normalize module), True / False force it;
-    ``truncate_dim`` keeps the first dimensions (Matryoshka), before normalising;
+    ``truncate_dim`` keeps the first dimensions (Matryoshka), before normalising (more
+    than the model has is a ``UserError``);
     ``pooling`` overrides the folder's mode; ``notify(message)`` hears about truncated
     texts and defaults (default: an ``EmbeddingNotice`` warning)."""
     check_encoder(model)
@@ -123,12 +124,11 @@ def encode(model, tokenizer, texts: str | list[str], batch_size: int = 32, norma
     texts = [texts] if single else list(texts)
     if batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {batch_size}")
-    if truncate_dim is not None and truncate_dim < 1:
-        raise UserError(f"dimensions must be at least 1, got {truncate_dim}")
     modules = sentence_modules(model)
+    modes = modules.pooling if pooling is None else (pooling,)
+    check_truncate_dim(model, truncate_dim, modes)
     if not modules.from_modules_json and pooling is None:
         (notify or warn)("the model folder has no modules.json: mean pooling, as sentence-transformers defaults")
-    modes = modules.pooling if pooling is None else (pooling,)
     check_pooling(modes, "--pooling")
     prefix = resolve_prompt(modules, prompt_name, prompt)
     limit = max_tokens(model, modules)
@@ -148,6 +148,7 @@ def embed_encoded(model, encoded: list[tuple[list[int], list[int]]], pad_id: int
     the model's max_seq_length. ``pooling`` None: the folder's modes."""
     modules = sentence_modules(model)
     modes = modules.pooling if pooling is None else pooling
+    check_truncate_dim(model, truncate_dim, modes)
     out: list[np.ndarray | None] = [None] * len(encoded)
     for rows, ids, types, mask in batches(encoded, batch_size, pad_id):
         vectors = embed_batch(model, ids, types, mask, modules, modes, prompt_length)
@@ -155,6 +156,28 @@ def embed_encoded(model, encoded: list[tuple[list[int], list[int]]], pad_id: int
         for row, vector in zip(rows, np.array(vectors)):
             out[row] = vector
     return np.stack(out) if out else np.zeros((0, 0), np.float32)
+
+
+def embedding_width(model, pooling: tuple[str, ...] | None = None) -> int:
+    """How many dimensions the embeddings have before any truncation: the last Dense
+    layer's outputs, else the hidden size once per pooling mode (they are concatenated).
+    ``pooling`` None: the folder's modes."""
+    modules = sentence_modules(model)
+    if modules.dense:
+        return int(modules.dense[-1].weight.shape[0])  # weight: (out, in)
+    return model.args.hidden_size * len(modules.pooling if pooling is None else pooling)
+
+
+def check_truncate_dim(model, truncate_dim: int | None, pooling: tuple[str, ...] | None = None) -> None:
+    """One-line ``UserError`` for a ``truncate_dim`` the embeddings cannot be cut to: a
+    wider one would silently give fewer dimensions than asked for."""
+    if truncate_dim is None:
+        return
+    if truncate_dim < 1:
+        raise UserError(f"dimensions must be at least 1, got {truncate_dim}")
+    width = embedding_width(model, pooling)
+    if truncate_dim > width:
+        raise UserError(f"dimensions must be at most {width} (this model's embedding size), got {truncate_dim}")
 
 
 def finish(vectors: mx.array, truncate_dim: int | None, normalize: bool) -> mx.array:
@@ -166,4 +189,5 @@ def finish(vectors: mx.array, truncate_dim: int | None, normalize: bool) -> mx.a
     return vectors
 
 
-__all__ = ["encode", "embed_encoded", "EmbeddingNotice", "check_encoder", "tokenize", "batches", "max_tokens", "sentence_modules"]
+__all__ = ["encode", "embed_encoded", "EmbeddingNotice", "check_encoder", "check_truncate_dim", "embedding_width",
+           "tokenize", "batches", "max_tokens", "sentence_modules"]

@@ -39,6 +39,16 @@ class TensorChange:
     def relative(self) -> float:
         return relative_change(self.norm, self.change)
 
+    @property
+    def part(self) -> str:
+        """Its name within its block (``mlp.down_proj.weight``), the same in every block, or
+        "outside the blocks"."""
+        match = BLOCK.fullmatch(self.name)
+        return match.group(2) if match else OUTSIDE_THE_BLOCKS
+
+
+OUTSIDE_THE_BLOCKS = "outside the blocks"
+
 
 def dense_tensors(model: nn.Module) -> dict[str, mx.array]:
     """Every tensor by name as the model computes with it, lazily (nothing is computed

@@ -12,10 +12,13 @@ import numpy as np
 
 from ..atomic import atomic_file
 from .compare import TensorChange, layer_changes
-from .parts import BLOCK
 
 HEADS_PER_ROW = 8
 LABELLED_TOKENS = 48  # beyond this many tokens the axes show positions, not tokens
+# An attention map labels a few positions, in type big enough to read at the saved size:
+# a label per token would be too small to read (or overlap) once a panel holds many.
+MAP_TICKS = 6
+MAP_TICK_POINTS = 8
 
 
 def _pyplot():
@@ -36,8 +39,7 @@ def _save(fig, path: Path, dpi: int = 90) -> Path:
 
 
 def _token_axes(ax, labels: list[str], x: bool = True, y: bool = True, fontsize: int = 6) -> None:
-    """Token labels on the axes asked for (text is most of a picture's drawing time, so
-    a grid labels only its outer panels), none past ``LABELLED_TOKENS`` tokens."""
+    """Token labels on the axes asked for, none past ``LABELLED_TOKENS`` tokens."""
     ax.set_xticks([])
     ax.set_yticks([])
     if len(labels) > LABELLED_TOKENS:
@@ -48,47 +50,55 @@ def _token_axes(ax, labels: list[str], x: bool = True, y: bool = True, fontsize:
         ax.set_yticks(range(len(labels)), labels, fontsize=fontsize)
 
 
-def _grid_axes(axes, index: int, drawn: int, labels: list[str], fontsize: int = 6) -> None:
-    """Panel ``index`` of a grid of ``drawn`` panels: x labels where no panel is drawn
-    below it, y labels on the first column."""
-    cols = axes.shape[1]
-    _token_axes(axes.flat[index], labels, x=index + cols >= drawn, y=index % cols == 0, fontsize=fontsize)
+def _map_ticks(ax, labels: list[str], x: bool, y: bool) -> None:
+    """``MAP_TICKS`` positions, the first and the last among them, named by their token
+    (by their number past ``LABELLED_TOKENS`` tokens); the names shown only on the axes
+    asked for (a grid names its outer panels: text is most of a picture's drawing time)."""
+    positions = sorted({int(p) for p in np.linspace(0, len(labels) - 1, min(len(labels), MAP_TICKS)).round()})
+    names = [labels[p] if len(labels) <= LABELLED_TOKENS else str(p) for p in positions]
+    ax.set_xticks(positions, names, rotation=90, fontsize=MAP_TICK_POINTS)
+    ax.set_yticks(positions, names, fontsize=MAP_TICK_POINTS)
+    ax.tick_params(labelbottom=x, labelleft=y)
+
+
+def attention_grid(maps: list[np.ndarray], titles: list[str], labels: list[str], cols: int, panel_inches: float,
+                   title: str):
+    """A figure of attention maps (rows: queries, columns: keys), one panel each, and the
+    colour bar of their weights (0..1)."""
+    plt = _pyplot()
+    rows = math.ceil(len(maps) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(panel_inches * cols + 1, panel_inches * rows + 0.8),
+                             squeeze=False, layout="constrained")
+    for index, ax in enumerate(axes.flat):
+        if index >= len(maps):
+            ax.axis("off")
+            continue
+        image = ax.imshow(maps[index], cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(titles[index], fontsize=10)
+        _map_ticks(ax, labels, x=index + cols >= len(maps), y=index % cols == 0)
+    colorbar = fig.colorbar(image, ax=axes, shrink=min(1.0, 0.9 / rows ** 0.5), pad=0.01)
+    colorbar.set_label("attention weight", fontsize=MAP_TICK_POINTS + 1)
+    colorbar.ax.tick_params(labelsize=MAP_TICK_POINTS)
+    fig.suptitle(title)
+    return fig
+
+
+def attention_heads_figure(weights: np.ndarray, labels: list[str], layer: int):
+    """One layer: a panel per head, weights (n_heads, L, L)."""
+    n_heads = weights.shape[0]
+    return attention_grid(list(weights), [f"head {h}" for h in range(n_heads)], labels, min(n_heads, HEADS_PER_ROW),
+                          2.3, f"layer {layer}: attention per head (rows: queries, columns: keys)")
 
 
 def attention_heads(path: Path, weights: np.ndarray, labels: list[str], layer: int) -> Path:
-    """One layer: a panel per head (rows: queries, columns: keys), weights 0..1."""
-    plt = _pyplot()
-    n_heads = weights.shape[0]
-    cols = min(n_heads, HEADS_PER_ROW)
-    rows = math.ceil(n_heads / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.3 * cols, 2.5 * rows), squeeze=False)
-    for head, ax in enumerate(axes.flat):
-        if head >= n_heads:
-            ax.axis("off")
-            continue
-        ax.imshow(weights[head], cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"head {head}", fontsize=8)
-        _grid_axes(axes, head, n_heads, labels, fontsize=5)
-    fig.suptitle(f"layer {layer}: attention per head (rows: queries, columns: keys)")
-    fig.tight_layout()
-    return _save(fig, path, dpi=80)
+    """``attention_heads_figure`` as a PNG at ``path``."""
+    return _save(attention_heads_figure(weights, labels, layer), path, dpi=100)
 
 
 def attention_layers(path: Path, maps: list[np.ndarray], labels: list[str]) -> Path:
     """Every layer in one picture, its heads averaged."""
-    plt = _pyplot()
-    cols = min(len(maps), 6)
-    rows = math.ceil(len(maps) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.4 * rows), squeeze=False)
-    for layer, ax in enumerate(axes.flat):
-        if layer >= len(maps):
-            ax.axis("off")
-            continue
-        ax.imshow(maps[layer].mean(axis=0), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"layer {layer}", fontsize=9)
-        _grid_axes(axes, layer, len(maps), labels)
-    fig.suptitle("attention, heads averaged (rows: queries, columns: keys)")
-    fig.tight_layout()
+    fig = attention_grid([m.mean(axis=0) for m in maps], [f"layer {i}" for i in range(len(maps))], labels,
+                         min(len(maps), 6), 3.2, "attention, heads averaged (rows: queries, columns: keys)")
     return _save(fig, path)
 
 
@@ -136,31 +146,41 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else float("nan")  # a tensor that was zero in A: no bar
 
 
-def comparison(path: Path, changes: list[TensorChange]) -> Path:
+def comparison_figure(changes: list[TensorChange]):
     """Top: the relative change per block (and outside the blocks); bottom: per tensor,
-    in the model's order, coloured by its name in the block."""
+    in the model's order, coloured by its part of the block, with a legend of the parts
+    beside the bars (never over them)."""
+    from matplotlib.patches import Patch
+
     plt = _pyplot()
     groups = layer_changes(changes)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.12 * len(changes) + 3), 6.5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.12 * len(changes) + 3) + 3, 6.5),
+                                      layout="constrained")
     names = ["outside" if g.layer is None else str(g.layer) for g in groups]
     top.bar(names, [_finite(g.relative) for g in groups], color="tab:blue")
     top.set_xlabel("block")
     top.set_ylabel("||B - A|| / ||A||")
     top.set_title("relative change per block (all its tensors together)")
-    kinds = [BLOCK.fullmatch(c.name).group(2) if BLOCK.fullmatch(c.name) else "outside the blocks" for c in changes]
-    palette = {kind: plt.get_cmap("tab10")(i % 10) for i, kind in enumerate(dict.fromkeys(kinds))}
-    bottom.bar(range(len(changes)), [_finite(c.relative) for c in changes], color=[palette[k] for k in kinds],
+    parts = [c.part for c in changes]
+    palette = {part: plt.get_cmap("tab10")(i % 10) for i, part in enumerate(dict.fromkeys(parts))}
+    bottom.bar(range(len(changes)), [_finite(c.relative) for c in changes], color=[palette[p] for p in parts],
                width=0.9)
-    for kind, color in palette.items():
-        bottom.bar([], [], color=color, label=kind)
     bottom.set_xlabel("tensor, in the model's order")
     bottom.set_ylabel("||B - A|| / ||A||")
     bottom.set_title("relative change per tensor")
-    bottom.legend(fontsize=6, ncol=3)
+    # One patch per part: bars drawn empty to label the legend take the default colour.
+    bottom.legend(handles=[Patch(facecolor=color, label=part) for part, color in palette.items()], fontsize=8,
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, title="part of the block",
+                  title_fontsize=8)
     for ax in (top, bottom):
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    return _save(fig, path)
+    return fig
 
 
-__all__ = ["attention_heads", "attention_layers", "residual_norms", "logit_lens", "comparison"]
+def comparison(path: Path, changes: list[TensorChange]) -> Path:
+    """``comparison_figure`` as a PNG at ``path``."""
+    return _save(comparison_figure(changes), path)
+
+
+__all__ = ["attention_heads", "attention_heads_figure", "attention_layers", "attention_grid", "residual_norms",
+           "logit_lens", "comparison", "comparison_figure"]

@@ -146,12 +146,17 @@ def embedding_inputs(serving: EncoderServing, request: EmbeddingsRequest) -> lis
 
 
 def embeddings_response(serving: EncoderServing, body: bytes) -> dict:
-    from ..encode.embeddings import embed_encoded
+    from ..encode.embeddings import check_truncate_dim, embed_encoded
+    from ..errors import UserError
 
     request = parse(EmbeddingsRequest, body)
     serving.check_model(request.model)
     if request.encoding_format not in ("float", "base64"):
         raise invalid("encoding_format", "encoding_format must be 'float' or 'base64'")
+    try:
+        check_truncate_dim(serving.model, request.dimensions)
+    except UserError as e:
+        raise invalid("dimensions", str(e)) from None
     encoded = embedding_inputs(serving, request)
     pad_id = serving.tokenizer.special_token_id("pad_token") or 0
     tokens = sum(len(ids) for ids, _ in encoded)

@@ -130,13 +130,14 @@ def test_save_and_load_round_trip(chat_model, tmp_path):
     for message in MESSAGES[:2]:
         list(first.answer(message))
     path = tmp_path / "conversation.json"
-    assert "Saved" in run_command(first, f"/save {path}")
+    reported = run_command(first, f"/save {path}")
     saved = json.loads(path.read_text())
     assert saved["messages"] == first.conversation.messages()
     assert saved["messages"][0] == {"role": "system", "content": "A story."}
+    assert len(saved["messages"]) == 5 and reported == f"Saved the conversation (5 messages) to {path}."
 
     second = session_of(chat_model)
-    assert "Loaded 4 messages" in run_command(second, f"/load {path}")
+    assert "Loaded 4 messages and the system prompt" in run_command(second, f"/load {path}")
     assert second.conversation == first.conversation
     assert second.cache.tokens == second.render(second.conversation.messages(), add_generation_prompt=False)
     assert_cache_holds(second, model)
@@ -219,10 +220,13 @@ def test_commands_answer_bad_input_with_a_hint(chat_model, tmp_path):
         "/save": "usage: /save FILE",
         "/load": "usage: /load FILE",
         f"/load {tmp_path / 'missing.json'}": "no such file",
+        f"/save {tmp_path / 'nowhere' / 'chat.json'}":
+            f"cannot save to {tmp_path / 'nowhere' / 'chat.json'}: the folder {tmp_path / 'nowhere'} does not exist",
     }
     for line, hint in bad.items():
         with pytest.raises(UserError, match=__import__("re").escape(hint)):
             run_command(session, line)
+    assert not (tmp_path / "nowhere").exists()  # a mistyped folder is not created
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "roles.json").write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}))
     for name, hint in {"bad.json": "not valid JSON", "roles.json": "expected 'user'"}.items():

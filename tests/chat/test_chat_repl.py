@@ -148,7 +148,38 @@ def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on(long_context_folder
     term.expect(">>>")
     tokenizer = load_tokenizer(long_context_folder)
     assert new_tokens <= len(tokenizer.encode("</s>\nUser: And then?\nAssistant:", add_special_tokens=False)) + 1
-    term.child.sendintr()  # at an empty prompt: leave
+    term.child.sendintr()  # at an empty prompt: a hint, then a second Ctrl-C leaves
+    term.expect(LEAVE_HINT)
+    term.child.sendintr()
+    assert term.exit_status() == 0
+
+
+LEAVE_HINT = re.escape("Use Ctrl-D or /bye to exit, or press Ctrl-C again.") + r"\n>>>"
+
+
+def test_ctrl_c_at_an_empty_prompt_asks_again_and_keeps_the_conversation(chat_folder, tmp_path):
+    """As Ollama: one Ctrl-C at an empty prompt shows how to leave; a second one right
+    after it leaves. Ctrl-C on a line being typed clears it and starts the count again."""
+    message = "Once upon a time there was a cat."
+    answers, _ = expected_answers(chat_folder, [message], 8)
+    term = Terminal("--model", str(chat_folder), "--max-tokens", "8")
+    term.expect(">>>")
+    term.type(message)
+    term.expect(re.escape(answers[0]) + r"\n\n>>>")
+    term.child.sendintr()
+    term.expect(LEAVE_HINT)
+    term.child.send("never sent")
+    term.child.sendintr()  # clears the line
+    term.child.sendintr()  # at the empty line, nothing typed before it: the hint again
+    term.expect(LEAVE_HINT)
+    term.type(f"/save {tmp_path / 'chat.json'}")
+    term.expect(r"Saved the conversation \(2 messages\)")
+    saved = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    assert saved == [{"role": "user", "content": message}, {"role": "assistant", "content": answers[0]}]
+    term.expect(">>>")
+    term.child.sendintr()
+    term.expect(LEAVE_HINT)
+    term.child.sendintr()
     assert term.exit_status() == 0
 
 
@@ -251,5 +282,7 @@ def test_a_line_typed_during_an_answer_runs_after_it(long_context_folder):
     term.child.sendintr()
     term.expect(r"\[answer stopped\]\n\n>>> /stats\nprompt: \d+ new tokens.*answer: \d+ tokens")
     term.expect(">>>")
+    term.child.sendintr()
+    term.expect(LEAVE_HINT)
     term.child.sendintr()
     assert term.exit_status() == 0

@@ -63,6 +63,18 @@ def test_stop_string_and_repetition_penalty_flags(stories_hf, golden):
     assert result.returncode == 0 and result.stdout.strip() != golden["text"][: len(result.stdout.strip())]
 
 
+def test_free_text_that_begins_with_a_dash(stories_hf):
+    """A prompt, a system prompt and a stop string may begin with "-" (argparse alone takes
+    such a value for a flag): the text is the Python API's for the same prompt."""
+    result = mlx_tfm("--model", str(stories_hf), "--prompt", "-hi", "--system-prompt", "-Once", "--stop", "-zzz",
+                     "-m", "20", "--verbose", "false")
+    assert result.returncode == 0, result.stderr
+    model, tokenizer = load(stories_hf)
+    prompt = build_prompt(tokenizer, "-hi", "-Once", ignore_chat_template=False)
+    assert prompt == tokenizer.encode("-Once\n\n-hi")  # no chat template: the system prompt goes first
+    assert result.stdout == generate(model, tokenizer, prompt, max_tokens=20, stop_strings=["-zzz"]) + "\n"
+
+
 def test_prompt_cache_file_is_created_then_reused(stories_hf, tmp_path):
     prompt = "Once upon a time, there was a big dog named Max. Max liked to run"
     args = ["--model", str(stories_hf), "--prompt", prompt, "-m", "30", "--verbose", "false"]
@@ -80,6 +92,9 @@ def test_prompt_cache_file_is_created_then_reused(stories_hf, tmp_path):
 def test_rotating_cache_flag_generates_past_the_context(stories_hf):
     result = mlx_tfm("--model", str(stories_hf), "--prompt", "", "-m", "700", "--max-kv-size", "64")
     assert result.returncode == 0 and "Generation: 700 tokens" in result.stderr
+    model, tokenizer = load(stories_hf)
+    expected = generate(model, tokenizer, "", max_tokens=700, max_kv_size=64)  # greedy, as the CLI default
+    assert result.stdout == expected + "\n"
 
 
 def test_no_model_offline_uses_the_shipped_model_with_a_notice(tmp_path):

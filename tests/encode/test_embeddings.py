@@ -5,6 +5,7 @@ truncation with a notice, Matryoshka truncation before normalising; plain encode
 and vocab.txt-only tokenizers; bad input."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -79,6 +80,27 @@ def test_dimensions_are_truncated_before_normalising(tmp_path, encoder_folder):
     unnormalised = encode(model, tokenizer, TEXTS, normalize=False)
     assert np.abs(unnormalised - without_normalize.encode(TEXTS)).max() < 1e-5
     assert not np.allclose(np.linalg.norm(unnormalised, axis=1), 1)
+
+
+@pytest.mark.parametrize("pooling,dense,modes", [("mean", None, None), ("cls", 12, None), ("cls", None, "cls+mean")])
+def test_dimensions_beyond_the_embeddings_are_refused(tmp_path, encoder_folder, pooling, dense, modes):
+    """As many dimensions as the model gives (after its Dense layer; one hidden size per
+    concatenated pooling mode) are sentence-transformers'; one more is refused, naming both."""
+    from sentence_transformers import SentenceTransformer
+
+    sentence_transformer_folder(tmp_path / "st", encoder_folder, pooling, dense)
+    if modes == "cls+mean":
+        config = tmp_path / "st" / "1_Pooling" / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "pooling_mode": ["cls", "mean"]}))
+    reference = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    width = reference.encode(TEXTS[:1]).shape[1]
+    model, tokenizer = load(tmp_path / "st")
+    assert model.sentence_modules.pooling == tuple((modes or pooling).split("+"))
+    ours = encode(model, tokenizer, TEXTS, truncate_dim=width)
+    assert np.abs(ours - reference.encode(TEXTS, truncate_dim=width)).max() < 1e-5
+    message = f"dimensions must be at most {width} (this model's embedding size), got {width + 1}"
+    with pytest.raises(UserError, match=re.escape(message)):
+        encode(model, tokenizer, TEXTS, truncate_dim=width + 1)
 
 
 def test_long_texts_are_truncated_with_a_notice(tmp_path, encoder_folder):

@@ -52,9 +52,14 @@ def test_embed_prints_sentence_transformers_embeddings(folders, capsys, tmp_path
 
 
 def test_embed_a_plain_encoder_says_it_mean_pools(folders, capsys):
+    from sentence_transformers import SentenceTransformer
+
     root, _ = folders
-    code, out, err = run(capsys, "embed", "--model", root / "bert", "--text", "the cat")
-    assert code == 0 and len(json.loads(out)["embeddings"][0]) == 32
+    code, out, err = run(capsys, "embed", "--model", root / "bert", "--text", "the cat", "the red dog sat")
+    assert code == 0
+    # sentence-transformers makes a plain transformers folder a mean-pooling model too
+    expected = SentenceTransformer(str(root / "bert"), device="cpu").encode(["the cat", "the red dog sat"])
+    assert np.abs(np.array(json.loads(out)["embeddings"]) - expected).max() < 1e-5
     assert "note: the model folder has no modules.json: mean pooling" in err
 
 
@@ -101,6 +106,8 @@ def test_rerank_scores_equal_cross_encoder_predict(folders, capsys):
     (["embed", "--model", "{st}", "--text", "a", "--prompt-name", "passage"],
      "error: unknown prompt name 'passage'; this model's prompts: document, query"),
     (["embed", "--model", "{st}", "--text", "a", "--dimensions", "0"], "error: dimensions must be at least 1, got 0"),
+    (["embed", "--model", "{st}", "--text", "a", "--dimensions", "256"],
+     "error: dimensions must be at most 16 (this model's embedding size), got 256"),
     (["fill-mask", "--model", "{mlm}", "--text", "no mask here"], "error: the text has no [MASK] token to fill"),
     (["fill-mask", "--model", "{st}", "--text", "a [MASK]"], "error: fill-mask needs a masked-LM model"),
     (["rerank", "--model", "{mlm}", "--query", "q", "--documents", "d"], "error: reranking needs a cross-encoder"),

@@ -103,6 +103,18 @@ def test_bad_requests_are_400_that_say_why(encoders, path, body, message):
     assert response.json()["error"]["message"].startswith(message), response.json()
 
 
+def test_more_dimensions_than_the_model_has_is_a_400_on_dimensions(encoders):
+    _, st, clients = encoders
+    width = st.encode(TEXTS[:1]).shape[1]
+    response = clients["st"].post("/v1/embeddings", json={"input": "a", "dimensions": width + 1})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": f"dimensions must be at most {width} (this model's embedding size), got {width + 1}",
+        "type": "invalid_request_error", "param": "dimensions", "code": "invalid_value"}
+    full = clients["st"].post("/v1/embeddings", json={"input": "a", "dimensions": width, "encoding_format": "float"})
+    assert np.abs(np.array(full.json()["data"][0]["embedding"]) - st.encode("a", truncate_dim=width)).max() < 1e-5
+
+
 def test_a_decoders_server_refuses_the_encoder_endpoints(stories_hf):
     client = client_for(stories_hf)
     try:
