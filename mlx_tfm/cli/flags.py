@@ -1,10 +1,13 @@
 """How the subcommands' flags read and show: every default in ``--help``, free text (a
-prompt, a stop string) that may begin with "-", and one output flag under every spelling
-the commands use for it."""
+prompt, a stop string) that may begin with "-", and one output flag and one sequence-length
+flag under every spelling the commands use for them (each command keeps mlx-lm's name
+first and accepts the others as aliases)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any, Callable
 
 # argv strings cannot hold a NUL (exec ends a string there), so only ``mark_free_text``
 # puts one in front of a value, and ``free_text`` takes it off again.
@@ -13,6 +16,8 @@ FREE_TEXT_MARK = "\0"
 # How the commands spell "where to write" (mlx-lm's names: convert --mlx-path, fuse and lora
 # --save-path); a command that writes takes its own first and the others as aliases.
 OUTPUT_SPELLINGS = ("--mlx-path", "--save-path", "--output", "--out")
+# A sequence length, as each command spells it: train, perplexity (mlx_lm.perplexity), lora (mlx_lm.lora).
+LENGTH_SPELLINGS = ("--seq-len", "--sequence-length", "--max-seq-length")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,8 +68,52 @@ def mark_free_text(argv: list[str], parser: argparse.ArgumentParser) -> list[str
     return marked
 
 
+def output_flags(name: str, *more: str) -> list[str]:
+    """The spellings of the flag for where a command writes: ``name`` (argparse names the
+    value after it) and ``more`` of its own, then the other ``OUTPUT_SPELLINGS`` as
+    aliases: no command refuses another's spelling."""
+    return [name, *more] + [spelling for spelling in OUTPUT_SPELLINGS if spelling not in (name, *more)]
+
+
 def add_output_argument(parser, name: str, *short: str, **kwargs) -> argparse.Action:
-    """The flag for where the command writes, as ``name`` (and ``short``), the other
-    ``OUTPUT_SPELLINGS`` accepted as aliases: no command refuses another's spelling."""
-    aliases = [spelling for spelling in OUTPUT_SPELLINGS if spelling != name]
-    return parser.add_argument(name, *short, *aliases, **kwargs)
+    """``parser``'s output flag under all its ``output_flags`` spellings."""
+    return parser.add_argument(*output_flags(name, *short), **kwargs)
+
+
+def length_flags(name: str) -> list[str]:
+    """``name`` (this command's spelling of a sequence length) first, then the others."""
+    return [name] + [flag for flag in LENGTH_SPELLINGS if flag != name]
+
+
+def defaults_of(options_type: type) -> dict[str, Any]:
+    """{field name: default} of an options dataclass (fields without a default left out)."""
+    defaults = {}
+    for field in dataclasses.fields(options_type):
+        if field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+        elif field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+    return defaults
+
+
+def described(text: str, default: Any) -> str:
+    """``text`` with ``(default: X)``, inside a closing parenthesis it already has; a switch
+    (off unless given) and an option with no default value (None) show none."""
+    if default is None or isinstance(default, bool):
+        return text
+    if text.endswith(")"):
+        return f"{text[:-1]}; default: {default})"
+    return f"{text} (default: {default})"
+
+
+def flag_adder(parser: argparse.ArgumentParser, options_type: type) -> Callable[..., argparse.Action]:
+    """``add(*flags, help=..., **kwargs)``: ``parser.add_argument`` with the default of the
+    option it sets (its ``dest``, a field of ``options_type``) written into its help."""
+    defaults = defaults_of(options_type)
+
+    def add(*flags: str, help: str, **kwargs) -> argparse.Action:
+        action = parser.add_argument(*flags, help=help, **kwargs)
+        action.help = described(help, defaults.get(action.dest))
+        return action
+
+    return add

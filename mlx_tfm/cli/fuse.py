@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .training_flags import output_flags
+from .flags import output_flags
 
 HELP = "Fuse trained adapters into the base model and save it as a model folder."
 

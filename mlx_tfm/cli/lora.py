@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..errors import UserError
-from .training_flags import flag_adder, length_flags, output_flags
+from .flags import flag_adder, length_flags, output_flags
 
 HELP = "Fine-tune a model with LoRA / QLoRA / DoRA or fully (flags and -c YAML as mlx_lm.lora)."
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from .training_flags import length_flags
+from .flags import length_flags
 
 HELP = "Perplexity of a model on a text file, jsonl file or data folder, with its standard error."
 

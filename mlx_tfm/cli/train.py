@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .training_flags import flag_adder, length_flags, output_flags
+from .flags import flag_adder, length_flags, output_flags
 
 HELP = "Pre-train a small model from scratch (AdamW, warmup + cosine, resumable checkpoints)."
 
