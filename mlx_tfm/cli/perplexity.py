@@ -24,7 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     parser.add_argument("--seed", type=int, default=123, help="order of jsonl records (default 123, as mlx_lm)")
     parser.add_argument("--kv-bits", type=int, help="compute through a KV cache quantized to 4 or 8 bits")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default 64)")
+    parser.add_argument("--kv-group-size", type=int, default=None,
+                        help="KV-cache quantization group size: 32, 64 or 128 (default: 64, or 32 where 64 does "
+                             "not divide the model's head_dim)")
 
 
 class ProgressBar:
