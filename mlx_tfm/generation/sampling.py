@@ -15,9 +15,8 @@ takes MLX's global random state (``mx.random.seed(n)`` makes it reproducible); w
 (``sample_rows``), so one request gives the same tokens from ``generate`` and the server.
 
 The temperature, top-p and min-p values reach the compiled draw as arrays, not as Python
-numbers: MLX's CPU backend builds a C++ kernel for every distinct constant it meets (about
-a second each on Linux), so ``/set temp 0.75`` or a request with its own temperature reuses
-the kernels already built. Only which filters are on (and top-k's k, a shape) pick the
+numbers: MLX's CPU backend compiles a C++ kernel for every distinct constant it meets, so
+``/set temp 0.75`` or a request with its own temperature reuses the kernels already built. Only which filters are on (and top-k's k, a shape) pick the
 compiled function. The filters also take one setting per row, a ``(B, 1)`` array, for
 batches whose rows differ; ``SamplingRows`` holds a batch's settings that way.
 
