@@ -19,7 +19,9 @@ def add_arguments(parser) -> None:
                         help="speculative decoding without a draft model: guess this many tokens by copying what "
                              "followed the latest n-gram match in the prompt (0: off)")
     parser.add_argument("--kv-bits", type=int, help="quantize the KV cache to 4 or 8 bits (default: not quantized)")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default 64)")
+    parser.add_argument("--kv-group-size", type=int, default=None,
+                        help="KV-cache quantization group size: 32, 64 or 128 (default: the largest of them that "
+                             "divides the model's head_dim)")
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                         help=f"with --kv-bits, quantize once the cache holds more than this many positions "
                              f"(default {DEFAULT_QUANTIZED_KV_START})")

@@ -61,7 +61,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..generation.sampling import make_logits_processors, make_sampler
+    from ..generation.sampling import SamplingParams
     from ..generation.speculative import sync_draft_cache
     from ..generation.step import check_vocabulary
     from ..generation.stream import format_stats, stream_generate
@@ -73,8 +73,10 @@ def run(args) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     decoding_flags.check(args)
-    sampler = make_sampler(args.temp, args.top_p, args.top_k, args.min_p)
-    processors = make_logits_processors(args.repetition_penalty, args.repetition_context_size)
+    sampling = SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty,
+                              repetition_context_size=args.repetition_context_size)
+    sampling.check()  # draws from the random state --seed seeds (seed_alike), as mlx_lm.generate
     world = sharding_flags.join(args, refused={"--prompt-cache-file": args.prompt_cache_file,
                                                "--draft-model": args.draft_model,
                                                "--prompt-lookup-num-tokens": args.prompt_lookup_num_tokens})
@@ -83,7 +85,7 @@ def run(args) -> int:
     model, tokenizer = load(choose_model(args.model), adapter_path=args.adapter_path,
                             shard=sharding_flags.splitter(args, world))
     if model.args.kind != "decoder":
-        return run_text_to_text(args, model, tokenizer, sampler, processors)
+        return run_text_to_text(args, model, tokenizer, sampling)
     check_vocabulary(model, tokenizer)
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
@@ -104,7 +106,7 @@ def run(args) -> int:
         speculation.update(draft_model=draft_model, draft_cache=draft_cache.layers)
 
     generated, response = [], None
-    for response in stream_generate(model, tokenizer, to_process, args.max_tokens, sampler, processors,
+    for response in stream_generate(model, tokenizer, to_process, max_tokens=args.max_tokens, sampling=sampling,
                                     prompt_cache=token_cache.layers, stop_strings=args.stop, **speculation):
         print(response.text, end="", flush=True)
         generated.append(response.token)
@@ -116,7 +118,7 @@ def run(args) -> int:
     return 0
 
 
-def run_text_to_text(args, model, tokenizer, sampler, processors) -> int:
+def run_text_to_text(args, model, tokenizer, sampling) -> int:
     """T5 (and an encoder's one-line refusal): the prompt, with its special tokens, goes to
     the encoder once; the decoder streams as a decoder-only model would. The flags that
     keep or reuse a decoder's cache of the prompt do not apply."""
@@ -134,7 +136,7 @@ def run_text_to_text(args, model, tokenizer, sampler, processors) -> int:
     if args.system_prompt:
         prompt = f"{args.system_prompt}\n\n{prompt}"
     response = None
-    for response in stream_generate(model, tokenizer, prompt, args.max_tokens, sampler, processors,
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampling=sampling,
                                     stop_strings=args.stop):
         print(response.text, end="", flush=True)
     print(flush=True)

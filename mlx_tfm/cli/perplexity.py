@@ -27,7 +27,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=123, help="order of jsonl records (default: %(default)s, as mlx_lm)")
     parser.add_argument("--kv-bits", type=int, help="compute through a KV cache quantized to 4 or 8 bits")
-    parser.add_argument("--kv-group-size", type=int, default=64, help="KV-cache quantization group size (default: %(default)s)")
+    parser.add_argument("--kv-group-size", type=int, default=None,
+                        help="KV-cache quantization group size: 32, 64 or 128 (default: the largest of them that "
+                             "divides the model's head_dim)")
 
 
 class ProgressBar:

@@ -23,8 +23,9 @@ import logging
 import mlx.core as mx
 
 from ..chat.conversation import ChatSession, load_conversation
-from ..engine.loop import Engine, Row
+from ..engine.loop import Engine
 from ..engine.prefix_cache import PrefixCache
+from ..engine.rows import Row
 from ..errors import UserError
 from .world import World
 
@@ -238,8 +239,7 @@ class MirroredEngine(Engine):
                 raise  # rank 0 is gone
             except Exception as error:
                 log.exception("engine step failed")
-                self._fail(self._prefilling + self._running, error)
-                self._reset_batches()
+                self.fail_admitted(error)
 
 
 def engine_for(model, tokenizer, world: World, **engine_args) -> Engine:

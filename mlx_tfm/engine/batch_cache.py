@@ -1,26 +1,103 @@
-"""``BatchKVCache``: one layer's keys and values for B rows that sit at different positions,
-so that one forward pass serves requests that started at different times.
+"""The batched per-layer cache: ``BatchCache``, the one interface the engine uses, and
+``BatchKVCache``, its implementation for attention's keys and values.
 
-Rows are right-aligned: slot ``used - 1`` holds every row's newest position, and row b's
-data fills slots ``[starts[b], used)``; the slots before ``starts[b]`` belong to no
-position of that row and are masked out. ``offset`` (B,) is each row's next position,
-which RoPE and learned or sinusoidal positions read per row. Because the rows end
-together, "the last ``window`` positions" are the same slots for every row: a sliding
-window (or ``--max-kv-size``) is one bound on the slots kept, and memory stays bounded.
+Every layer of a batch has one ``BatchCache`` holding its B rows, which sit at different
+positions so that one forward pass serves requests that started at different times. The
+engine admits rows from single-sequence caches (``row_from``), joins them (``extend``),
+drops finished ones (``select``), undoes a prefill chunk's padding (``drop_padding``) and
+hands a finished row back as a single-sequence cache (``holds_all``, ``export_row``);
+nothing else. Which implementation serves a layer is chosen from the kind of its
+single-sequence cache (``model.make_cache``) by ``batch_cache_for``; a new layer kind (a
+recurrent one, say, with a fixed-size state) registers its own with
+``register_batch_cache``, and the engine needs no change.
 
-A chunk of L new tokens per row is appended to every row at once (decoding: L = 1); a
-row with fewer tokens to feed pads its chunk at the end, and ``drop_padding`` then moves
-those slots in front of its data. Rows join with ``extend`` and leave with ``select``.
+``BatchKVCache``: rows are right-aligned. Slot ``used - 1`` holds every row's newest
+position, and row b's data fills slots ``[starts[b], used)``; the slots before
+``starts[b]`` belong to no position of that row and are masked out. ``offset`` (B,) is
+each row's next position, which RoPE and learned or sinusoidal positions read per row.
+Because the rows end together, "the last ``window`` positions" are the same slots for
+every row: a sliding window (or ``--max-kv-size``) is one bound on the slots kept, and
+memory stays bounded. A chunk of L new tokens per row is appended to every row at once
+(decoding: L = 1); a row with fewer tokens to feed pads its chunk at the end, and
+``drop_padding`` then moves those slots in front of its data.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import Callable
+
 import mlx.core as mx
 
-from ..model.cache import CausalRows, RotatingKVCache
+from ..errors import UserError
+from ..model.cache import CausalRows, KVCache, RotatingKVCache
 
 
-class BatchKVCache:
+class BatchCache(ABC):
+    """One layer's cache for the B rows of a batch: what the engine asks of it.
+
+    The model's forward pass uses it as any cache of its layer kind: it reads ``offset``
+    (B,), each row's next position, and ``make_mask``, and calls what the layer computes
+    with (attention: ``update_and_fetch``). Row i is the same request in every layer."""
+
+    offset: mx.array  # (B,) each row's next position
+    # Whether ``drop_padding`` can take back positions a padded chunk fed: false for a
+    # state that folds every input in (a recurrent layer); its rows are then never padded.
+    takes_padding: bool = True
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Rows in the batch."""
+
+    @abstractmethod
+    def make_mask(self, length: int, window: int | None = None):
+        """The mask of ``length`` new queries per row (the model's forward pass asks)."""
+
+    @abstractmethod
+    def row_from(self, single, length: int) -> "BatchCache | None":
+        """A new cache of this kind and settings with one row: the first ``length``
+        positions of the single-sequence cache ``single`` (None, with ``length`` 0: a row
+        at position 0); None when ``single`` cannot give those positions."""
+
+    @abstractmethod
+    def select(self, rows: list[int]) -> "BatchCache":
+        """A new cache of the given rows in that order (none: an empty one of this kind)."""
+
+    @abstractmethod
+    def extend(self, *others: "BatchCache") -> None:
+        """Append the rows of ``others`` (caches of this kind) after these."""
+
+    @abstractmethod
+    def drop_padding(self, pads: list[int]) -> None:
+        """After a chunk whose last ``pads[b]`` tokens of row b were padding: forget them,
+        so that row b's next position is its own again."""
+
+    @abstractmethod
+    def holds_all(self, row: int, length: int) -> bool:
+        """Whether ``row`` holds all its ``length`` positions, so that ``export_row`` can
+        hand it back whole."""
+
+    @abstractmethod
+    def export_row(self, row: int, into) -> None:
+        """Write ``row``'s positions into ``into``, an empty single-sequence cache of this
+        layer (from ``model.make_cache``)."""
+
+    @property
+    @abstractmethod
+    def state(self) -> tuple:
+        """The arrays that hold the rows (to evaluate them)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the rows take."""
+
+
+class BatchKVCache(BatchCache):
+    """Keys and values (B, n_kv_heads, capacity, head_dim) of B right-aligned rows; a
+    ``window`` keeps (and attends to) only the last positions (see the module docstring)."""
+
     step = 256
 
     def __init__(self, window: int | None = None):
@@ -42,6 +119,23 @@ class BatchKVCache:
         if keys is not None and keys.shape[2] > 0:
             cache.keys, cache.values, cache.used = keys, values, keys.shape[2]
         return cache
+
+    @classmethod
+    def for_rotating(cls, layer: RotatingKVCache) -> "BatchKVCache":
+        """The batched cache of a layer whose single-sequence cache is ``layer``: its bound
+        is the window; the first positions a rotating cache may keep have no batched form."""
+        if layer.keep:
+            raise ValueError("a batched cache cannot keep the first positions of a rotating cache")
+        return cls(layer.max_size)
+
+    def row_from(self, single, length: int) -> "BatchKVCache | None":
+        keys = values = None
+        if single is not None and length:
+            keys, values = single.state  # (1, n_kv_heads, n, head_dim), positions 0..n-1 unless it rotated
+            if keys.shape[2] != single.offset or length > single.offset:
+                return None
+            keys, values = keys[..., :length, :], values[..., :length, :]  # views: the entry stays as it is
+        return BatchKVCache.for_row(keys, values, length, self.window)
 
     @property
     def size(self) -> int:
@@ -185,37 +279,54 @@ class BatchKVCache:
         return (mx.contiguous(self.keys[row : row + 1, :, start : self.used]),
                 mx.contiguous(self.values[row : row + 1, :, start : self.used]))
 
+    def holds_all(self, row: int, length: int) -> bool:
+        # a row as long as the window may have dropped its oldest position already
+        return self.row_length(row) == length and (self.window is None or length < self.window)
+
+    def export_row(self, row: int, into) -> None:
+        length = self.row_length(row)
+        if length:
+            into.reserve(length)
+            into.update_and_fetch(*self.row_state(row))
+
+    @property
+    def state(self) -> tuple:
+        return () if self.keys is None else (self.keys, self.values)
+
+
+# -- which batched cache serves which layer ----------------------------------------------------
+
+BatchCacheMaker = Callable[[object], BatchCache]  # a layer's single-sequence cache -> its empty batched one
+BATCH_CACHES: dict[type, BatchCacheMaker] = {}
+
+
+def register_batch_cache(single_kind: type, make: BatchCacheMaker) -> None:
+    """Serve the layers whose single-sequence cache (from ``model.make_cache``) is a
+    ``single_kind`` with the batched caches ``make`` returns."""
+    BATCH_CACHES[single_kind] = make
+
+
+def batch_cache_for(layer) -> BatchCache:
+    """An empty batched cache for the layer whose single-sequence cache is ``layer``."""
+    make = BATCH_CACHES.get(type(layer))
+    if make is None:
+        raise UserError(f"the batching engine has no batched cache for layers whose cache is {type(layer).__name__}")
+    return make(layer)
+
+
+def batch_caches(model, max_kv_size: int | None) -> list[BatchCache]:
+    """One empty batched cache per layer of ``model``, as ``model.make_cache`` bounds them."""
+    return [batch_cache_for(layer) for layer in model.make_cache(max_kv_size=max_kv_size)]
+
 
 def layer_windows(model, max_kv_size: int | None) -> list[int | None]:
-    """Per layer, how many positions it attends to (None: all), as ``model.make_cache``
-    bounds them: a sliding window, ``max_kv_size``, or the smaller of the two."""
-    windows = []
-    for layer_cache in model.make_cache(max_kv_size=max_kv_size):
-        if isinstance(layer_cache, RotatingKVCache):
-            if layer_cache.keep:
-                raise ValueError("a batched cache cannot keep the first positions of a rotating cache")
-            windows.append(layer_cache.max_size)
-        else:
-            windows.append(None)
-    return windows
+    """Per layer, how many positions its ``BatchKVCache`` attends to (None: all): a
+    sliding window, ``max_kv_size``, or the smaller of the two."""
+    return [cache.window for cache in batch_caches(model, max_kv_size)]
 
 
-def empty_batch(windows: list[int | None]) -> list[BatchKVCache]:
-    return [BatchKVCache(window) for window in windows]
+register_batch_cache(KVCache, lambda layer: BatchKVCache())
+register_batch_cache(RotatingKVCache, BatchKVCache.for_rotating)
 
 
-def single_row_caches(model, max_kv_size: int | None, states: list[tuple[mx.array, mx.array]],
-                      length: int) -> list:
-    """``model.make_cache`` layers holding one row's ``states`` (every layer its full
-    history of ``length`` positions), for the shared prompt cache."""
-    layers = model.make_cache(max_kv_size=max_kv_size)
-    for layer, (keys, values) in zip(layers, states):
-        if keys.shape[2] != length:
-            raise ValueError(f"a layer holds {keys.shape[2]} of the {length} positions")
-        if length:
-            layer.reserve(length)
-            layer.update_and_fetch(keys, values)
-    return layers
-
-
-__all__ = ["BatchKVCache", "layer_windows", "empty_batch", "single_row_caches"]
+__all__ = ["BatchCache", "BatchKVCache", "register_batch_cache", "batch_cache_for", "batch_caches", "layer_windows"]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import mlx.core as mx
-
 from ..generation.token_cache import TokenCache, common_prefix_length
 
 
@@ -47,12 +45,6 @@ class PrefixCache:
         self.hits += 1
         self.entries.move_to_end(key)
         return self.entries[key], length
-
-    @staticmethod
-    def prefix_states(entry: TokenCache, length: int) -> list[tuple[mx.array, mx.array]]:
-        """Each layer's keys and values (1, n_kv_heads, length, head_dim) for the first
-        ``length`` tokens of ``entry`` (views: the entry itself is never changed)."""
-        return [(keys[..., :length, :], values[..., :length, :]) for keys, values in (l.state for l in entry.layers)]
 
     def insert(self, entry: TokenCache) -> None:
         """Keep ``entry`` (its layers each holding all of ``entry.tokens``). An entry whose

@@ -1,32 +1,20 @@
 """What a client hands the engine and what it gets back: a ``Request`` (prompt ids, length,
-sampler settings, stop strings, logprobs) and one ``Event`` per generated token."""
+sampling settings, stop strings, logprobs) and one ``Event`` per generated token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..generation.sampling import SamplingParams
+
 MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None  # per-row generator: same seed -> same tokens, alone or batched
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float = 0.0  # OpenAI semantics, over the generated tokens
-    frequency_penalty: float = 0.0  # OpenAI semantics, over the generated tokens
-    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
 class Request:
     prompt: list[int]  # token ids (the HTTP layer renders chat templates)
     max_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = SamplingParams()  # the one type generate and the server use
     stop_strings: tuple[str, ...] = ()  # excluded from the text; finish_reason "stop"
     logprobs: bool = False  # report the chosen token's logprob
     top_logprobs: int = 0  # and this many alternatives (0-20)
@@ -49,3 +37,6 @@ class Event:
     generation_tokens: int  # tokens generated so far for this request
     error: str | None = None  # one line, when finish_reason == "error"
     internal: bool = False  # the error is an unexpected exception's: its text is for the log, not a client
+
+
+__all__ = ["Request", "Event", "SamplingParams", "MAX_TOP_LOGPROBS"]

@@ -119,11 +119,12 @@ def check_settings(sequence_length: int, stride: int, num_samples: int, batch_si
 
 def perplexity(model, tokenizer, data, sequence_length: int = 512, stride: int | None = None,
                num_samples: int = -1, batch_size: int = 8, seed: int = DEFAULT_SEED, split: str | None = None,
-               kv_bits: int | None = None, kv_group_size: int = 64,
+               kv_bits: int | None = None, kv_group_size: int | None = None,
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """The perplexity of ``model`` on ``data``: a path (see the module docstring) or token
     ids. With ``kv_bits`` every key and value goes through a ``QuantizedKVCache`` (from
-    position 0), which measures what quantizing the cache costs. ``progress(done, total)``
+    position 0), which measures what quantizing the cache costs; ``kv_group_size`` None is
+    the head's default (``default_kv_group_size``). ``progress(done, total)``
     is called after each batch of windows."""
     stride = sequence_length if stride is None else stride
     check_settings(sequence_length, stride, num_samples, batch_size)

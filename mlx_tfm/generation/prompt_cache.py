@@ -51,7 +51,8 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
         if meta["kind"] == "RotatingKVCache":
             layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
         elif meta["kind"] == "QuantizedKVCache":
-            quantization = KVQuantization(int(meta["bits"]), int(meta["group_size"]), int(meta["start"]))
+            group_size = None if meta["group_size"] is None else int(meta["group_size"])  # None: not quantized yet
+            quantization = KVQuantization(int(meta["bits"]), group_size, int(meta["start"]))
             layer_cache = QuantizedKVCache(quantization)
         else:
             layer_cache = KVCache()

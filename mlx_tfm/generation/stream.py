@@ -17,14 +17,9 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from ..model.cache import (
-    DEFAULT_QUANTIZED_KV_START,
-    KVQuantization,
-    check_quantizable,
-    quantized_layers,
-)
+from ..model.cache import check_quantizable, quantized_layers
 from ..tokenizer import Tokenizer
-from .sampling import LogitsProcessor, Sampler
+from .settings import GenerationSettings
 from .step import (
     check_prompt_tokens,
     check_vocabulary,
@@ -116,74 +111,70 @@ class TextPieces:
         return self.detokenizer.last_segment
 
 
-def stream_generate(
-    model,
-    tokenizer: Tokenizer,
-    prompt: str | list[int] | mx.array,
-    max_tokens: int = 256,
-    sampler: Sampler | None = None,
-    logits_processors: list[LogitsProcessor] | None = None,
-    prompt_cache: list | None = None,
-    max_kv_size: int | None = None,
-    prefill_step_size: int = 512,
-    stop_strings: list[str] | None = None,
-    draft_model=None,
-    num_draft_tokens: int = 3,
-    prompt_lookup_num_tokens: int = 0,
-    draft_cache: list | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-) -> Iterator[GenerationResponse]:
+def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int] | mx.array,
+                    settings: GenerationSettings | None = None, *, prompt_cache: list | None = None,
+                    draft_cache: list | None = None, **options) -> Iterator[GenerationResponse]:
     """Yield a ``GenerationResponse`` per generated token, the last one with a
-    ``finish_reason``. Stops on the tokenizer's EOS ids (not shown) and on
-    ``stop_strings`` (not shown either). See the module docstring for what the
-    ``prompt_cache`` holds afterwards.
+    ``finish_reason``. Stops on the tokenizer's EOS ids (not shown) and on the stop
+    strings (not shown either). See the module docstring for what the ``prompt_cache``
+    holds afterwards; a ``draft_model``'s ``draft_cache`` holds the same positions.
 
-    Speculative decoding (``mlx_tfm.generation.speculative``): a ``draft_model`` guessing
-    ``num_draft_tokens`` ahead (its ``draft_cache`` holding the same positions as
-    ``prompt_cache``), or ``prompt_lookup_num_tokens`` guessed from the prompt. ``kv_bits``
-    (4 or 8) quantizes the cache's ``KVCache`` layers once they hold more than
-    ``quantized_kv_start`` positions, in groups of ``kv_group_size``. An encoder-decoder
-    (T5) reads ``prompt`` with its encoder once and decodes from its start token."""
+    ``settings`` (a ``GenerationSettings``) says how; ``options`` replace its fields by
+    keyword, as mlx-lm's are given (``max_tokens=100, sampler=...``) or sampling's
+    (``temp=0.7, top_k=40, seed=1``). An encoder-decoder (T5) reads ``prompt`` with its
+    encoder once and decodes from its start token."""
+    settings = GenerationSettings.build(settings, **options)
     if model.args.kind != "decoder":
         model, prompt = decoder_for_prompt(model, tokenizer, prompt)
     check_vocabulary(model, tokenizer)
+    settings.sampling.check(model.args.vocab_size)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_prompt_tokens(prompt_tokens, model.args.vocab_size)
-    cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
-    if kv_bits is not None:
-        kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
+    cache = prompt_cache if prompt_cache is not None else model.make_cache(settings.max_kv_size)
+    kv_quantization = settings.kv_quantization()
+    if kv_quantization is not None:
         check_quantizable(cache, kv_quantization, model.args.head_dim)
         quantized_layers(cache, kv_quantization)
     room = context_room(model, cache, prompt_tokens.size)
-    max_tokens = max_tokens if room is None else min(max_tokens, room)
-    pieces = TextPieces(tokenizer, prompt_tokens, stop_strings)
+    max_tokens = settings.max_tokens if room is None else min(settings.max_tokens, room)
+    pieces = TextPieces(tokenizer, prompt_tokens, list(settings.stop_strings))
 
     mx.reset_peak_memory()
     start = time.perf_counter()
-    step_kwargs = dict(max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
-                       prefill_step_size=prefill_step_size)
-    if draft_model is not None or prompt_lookup_num_tokens:
-        from .speculative import speculative_tokens
+    tokens, stats = token_stream(model, tokenizer, prompt_tokens, cache, draft_cache, settings, max_tokens)
+    yield from responses(tokens, stats, pieces, prompt_tokens.size, max_tokens, start)
 
-        tokens, stats = speculative_tokens(
-            prompt_tokens, model, tokenizer, cache, draft_model=draft_model, draft_cache=draft_cache,
-            num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens, **step_kwargs,
-        )
-    else:
-        tokens, stats = generate_step(prompt_tokens, model, prompt_cache=cache, **step_kwargs), None
+
+def token_stream(model, tokenizer: Tokenizer, prompt_tokens: mx.array, cache: list, draft_cache: list | None,
+                 settings: GenerationSettings, max_tokens: int):
+    """(the generator of ``(token, logprobs)``, its ``SpeculationStats`` or None)."""
+    sampler, processors = settings.sampler_and_processors(prompt_tokens.size)
+    step_kwargs = dict(max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
+                       prefill_step_size=settings.prefill_step_size)
+    if not settings.speculative:
+        return generate_step(prompt_tokens, model, prompt_cache=cache, **step_kwargs), None
+    from .speculative import speculative_tokens
+
+    return speculative_tokens(prompt_tokens, model, tokenizer, cache, draft_model=settings.draft_model,
+                              draft_cache=draft_cache, num_draft_tokens=settings.num_draft_tokens,
+                              prompt_lookup_num_tokens=settings.prompt_lookup_num_tokens, **step_kwargs)
+
+
+def responses(tokens, stats, pieces: TextPieces, n_prompt: int, max_tokens: int,
+              start: float) -> Iterator[GenerationResponse]:
+    """A ``GenerationResponse`` per token of ``tokens``, with the speeds since ``start``;
+    the generator is closed at the first finish."""
     for n, (token, logprobs) in enumerate(tokens, start=1):
         if n == 1:
             generation_start = time.perf_counter()
-            prompt_tps = prompt_tokens.size / (generation_start - start)
+            prompt_tps = n_prompt / (generation_start - start)
         text, finish_reason = pieces.add(token)
         if finish_reason is None and n == max_tokens:
             tail, finish_reason = pieces.finish()
             text += tail
         elapsed = time.perf_counter() - generation_start
         yield GenerationResponse(
-            text=text, token=token, logprobs=logprobs, prompt_tokens=prompt_tokens.size, prompt_tps=prompt_tps,
+            text=text, token=token, logprobs=logprobs, prompt_tokens=n_prompt, prompt_tps=prompt_tps,
             generation_tokens=n, generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason,
             drafted_tokens=stats.drafted if stats else 0, accepted_tokens=stats.accepted if stats else 0,
@@ -193,12 +184,13 @@ def stream_generate(
             return
 
 
-def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
-    """The generated text as one string (``kwargs`` as for ``stream_generate``); with
-    ``verbose``, stream it to stdout and print the statistics."""
+def generate(model, tokenizer: Tokenizer, prompt: str | list[int], verbose: bool = False,
+             settings: GenerationSettings | None = None, **kwargs) -> str:
+    """The generated text as one string (``settings`` and ``kwargs`` as for
+    ``stream_generate``); with ``verbose``, stream it to stdout and print the statistics."""
     text = ""
     response = None
-    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+    for response in stream_generate(model, tokenizer, prompt, settings, **kwargs):
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text

@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ..model.cache import default_kv_group_size
 from ..model.config import ModelArgs
 from .parts import Part
 
 SIZE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size", "max_position_embeddings")
-KV_GROUP_SIZES = (64, 32)  # 64 is mlx-lm's kv_group_size; 32 where a head is not a multiple of 64
 SCALE_BYTES = 2  # float16 scale and bias per group
 
 
@@ -137,7 +137,8 @@ def positions_held(args: ModelArgs, context: int) -> list[int]:
 
 
 def kv_group_size(head_dim: int) -> int | None:
-    return next((g for g in KV_GROUP_SIZES if head_dim % g == 0), None)
+    """The group size the quantized cache uses for this head when none is given."""
+    return default_kv_group_size(head_dim)
 
 
 def vector_bytes(head_dim: int, dtype_bytes: int | None = None, bits: int | None = None) -> int | None:

@@ -290,29 +290,43 @@ class RotatingKVCache:
 
 KV_BITS = (4, 8)
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm's: short contexts stay float, where the cache is small anyway
-KV_GROUP_SIZES = (32, 64, 128)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
+
+
+def default_kv_group_size(head_dim: int) -> int | None:
+    """The group size used when none is given: the largest ``mx.quantize`` supports that
+    divides ``head_dim`` (so every head is whole groups); None when none does."""
+    return max((g for g in KV_GROUP_SIZES if head_dim % g == 0), default=None)
 
 
 @dataclass(frozen=True)
 class KVQuantization:
     """How a ``QuantizedKVCache`` stores keys and values: ``bits`` per number, one scale and
-    bias per ``group_size`` numbers of a head, from the first update that takes the cache
-    past ``start`` positions (before it, float as a ``KVCache``)."""
+    bias per ``group_size`` numbers of a head (None: ``default_kv_group_size`` of the
+    head), from the first update that takes the cache past ``start`` positions (before
+    it, float as a ``KVCache``)."""
 
     bits: int
-    group_size: int = 64
+    group_size: int | None = None
     start: int = 0
+
+    def group_for(self, head_dim: int) -> int:
+        """The group size for heads of ``head_dim`` numbers (``check`` refuses a head none fits)."""
+        return self.group_size if self.group_size is not None else default_kv_group_size(head_dim)
 
     def check(self, head_dim: int | None = None) -> None:
         """One-line ``UserError`` for settings ``mx.quantize`` cannot apply (to heads of
         ``head_dim`` numbers, when given)."""
         if self.bits not in KV_BITS:
             raise UserError(f"--kv-bits must be 4 or 8, got {self.bits}")
-        if self.group_size not in KV_GROUP_SIZES:
+        if self.group_size is not None and self.group_size not in KV_GROUP_SIZES:
             raise UserError(f"--kv-group-size must be 32, 64 or 128, got {self.group_size}")
-        if head_dim is not None and head_dim % self.group_size:
+        if head_dim is not None and self.group_size is not None and head_dim % self.group_size:
             raise UserError(f"--kv-group-size {self.group_size} does not divide the model's head_dim {head_dim}: "
                             "its keys cannot be quantized in such groups")
+        if head_dim is not None and self.group_for(head_dim) is None:
+            raise UserError(f"no KV-cache group size (32, 64 or 128) divides the model's head_dim {head_dim}: "
+                            "its keys cannot be quantized")
         if self.start < 0:
             raise UserError(f"--quantized-kv-start must be at least 0, got {self.start}")
 
@@ -383,15 +397,18 @@ class QuantizedKVCache:
                 self.offset += length
                 return self.unquantized.update_and_fetch(keys, values)
             self._quantize_held()
-        return self._append(*(QuantizedKV.quantize(x, self.quantization.group_size, self.quantization.bits)
-                              for x in (keys, values)))
+        return self._append(*(self._quantized(x) for x in (keys, values)))
 
     def _quantize_held(self) -> None:
         held = self.unquantized.state
         self.unquantized, self.offset = None, 0
         if held:
-            q = self.quantization
-            self._append(*(QuantizedKV.quantize(x, q.group_size, q.bits) for x in held))
+            self._append(*(self._quantized(x) for x in held))
+
+    def _quantized(self, x: mx.array) -> QuantizedKV:
+        """``x`` (B, n_kv_heads, L, head_dim) quantized along head_dim."""
+        q = self.quantization
+        return QuantizedKV.quantize(x, q.group_for(x.shape[-1]), q.bits)
 
     def _append(self, keys: QuantizedKV, values: QuantizedKV):
         previous = self.offset
@@ -461,7 +478,9 @@ class QuantizedKVCache:
     @property
     def meta_state(self) -> dict:
         q = self.quantization
-        return {"kind": "QuantizedKVCache", "bits": q.bits, "group_size": q.group_size, "start": q.start,
+        # the group size the keys were quantized with (None: not yet, and none was given)
+        group_size = self.keys.group_size if self.keys is not None else q.group_size
+        return {"kind": "QuantizedKVCache", "bits": q.bits, "group_size": group_size, "start": q.start,
                 "quantized": self.is_quantized}
 
     def copy(self) -> "QuantizedKVCache":

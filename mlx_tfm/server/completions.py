@@ -15,7 +15,8 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.requests import Request, SamplingParams
+from ..engine.requests import Request
+from ..generation.sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from . import responses as objects
 from .constrained import make_processor, response_grammar, tool_call_grammar

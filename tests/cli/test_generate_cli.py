@@ -107,6 +107,19 @@ def test_no_model_offline_uses_the_shipped_model_with_a_notice(tmp_path):
     assert (SHIPPED_MODEL / "LICENSE").is_file()
 
 
+def test_kv_bits_alone_works_on_the_shipped_model_whose_head_is_32():
+    """--kv-bits 8 without --kv-group-size: groups of 32 (the usual 64 does not divide the
+    shipped model's head_dim of 32), the text of the Python API given groups of 32."""
+    args = ["--model", str(SHIPPED_MODEL), "--prompt", "Once upon a time", "-m", "30", "--kv-bits", "8"]
+    result = mlx_tfm(*args, "--quantized-kv-start", "0")
+    assert result.returncode == 0, result.stderr
+    model, tokenizer = load(SHIPPED_MODEL)
+    expected = generate(model, tokenizer, "Once upon a time", max_tokens=30, kv_bits=8, kv_group_size=32,
+                        quantized_kv_start=0)
+    assert result.stdout.rstrip("\n") == expected.rstrip("\n") and len(expected) > 50
+    assert mlx_tfm(*args).returncode == 0  # the default start: checked, not yet quantized
+
+
 def test_chat_template_and_system_prompt_build_the_prompt(tmp_path):
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     folder = byte_level_folder(tmp_path, {"chat_template": template})

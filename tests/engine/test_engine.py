@@ -3,6 +3,7 @@
 References are independent of the engine: the single-sequence ``stream_generate`` (its own
 cache and loop), a full forward pass without any cache, and numpy formulas."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -18,18 +19,19 @@ from mlx.utils import tree_map
 import mlx_tfm
 from mlx_tfm import generate
 from mlx_tfm import load, stream_generate
-from mlx_tfm.engine.batch_cache import BatchKVCache, layer_windows
-from mlx_tfm.model.cache import CausalRows
+from mlx_tfm.engine.batch_cache import BATCH_CACHES, BatchCache, BatchKVCache, layer_windows
+from mlx_tfm.model.cache import CausalRows, KVCache
 from mlx_tfm.cpu import generic_routes
-from mlx_tfm.engine.sampling import BatchSettings, RowSettings, sample_rows
-from mlx_tfm.engine.loop import Engine, batch_generate, chunk_length
+from mlx_tfm.engine.loop import Engine, batch_generate
+from mlx_tfm.engine.scheduler import chunk_length
 from mlx_tfm.engine.requests import Request, SamplingParams
 from mlx_tfm.errors import UserError
 from mlx_tfm.model.transformer import Model
 from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.generation.token_cache import TokenCache
 from mlx_tfm.engine.prefix_cache import PrefixCache
-from mlx_tfm.generation.sampling import make_logits_processors, make_presence_frequency_penalty
+from mlx_tfm.generation.sampling import (SamplingRows, make_logits_processors, make_presence_frequency_penalty,
+                                         sample_rows)
 
 PROMPTS = [
     "Once upon a time", "The cat", "Lily and Tom went to the park. They", "One day", "Tom had a big red ball.",
@@ -233,6 +235,103 @@ def test_rows_joining_together_equal_rows_joining_one_at_a_time():
     np.testing.assert_array_equal(np.array(together.offset), np.array(one_by_one.offset))
     for a, b in ((together.keys, one_by_one.keys), (together.values, one_by_one.values)):
         np.testing.assert_array_equal(np.array(a[:, :, :9]), np.array(b[:, :, :9]))
+
+
+class OwnKindCache(KVCache):
+    """A single-sequence cache kind of its own, as a new layer kind would bring."""
+
+
+class OnlyTheInterface(BatchCache):
+    """A batched cache that serves the engine through ``BatchCache`` alone: its keys and
+    values live in a hidden ``BatchKVCache`` the engine cannot see, and it takes no
+    padding (as a recurrent state could not)."""
+
+    takes_padding = False
+    padded: list[list[int]] = []  # every drop_padding call's pads, over all instances
+
+    def __init__(self, hidden: BatchKVCache | None = None):
+        self._hidden = hidden if hidden is not None else BatchKVCache()
+
+    @property
+    def offset(self):
+        return self._hidden.offset
+
+    @property
+    def size(self):
+        return self._hidden.size
+
+    def update_and_fetch(self, keys, values):  # what attention, this layer kind, calls
+        return self._hidden.update_and_fetch(keys, values)
+
+    def make_mask(self, length, window=None):
+        return self._hidden.make_mask(length, window)
+
+    def row_from(self, single, length):
+        hidden = self._hidden.row_from(single, length)
+        return None if hidden is None else OnlyTheInterface(hidden)
+
+    def select(self, rows):
+        return OnlyTheInterface(self._hidden.select(rows))
+
+    def extend(self, *others):
+        self._hidden.extend(*(other._hidden for other in others))
+
+    def drop_padding(self, pads):
+        OnlyTheInterface.padded.append(list(pads))
+        self._hidden.drop_padding(pads)
+
+    def holds_all(self, row, length):
+        return self._hidden.holds_all(row, length)
+
+    def export_row(self, row, into):
+        self._hidden.export_row(row, into)
+
+    @property
+    def state(self):
+        return self._hidden.state
+
+    @property
+    def nbytes(self):
+        return self._hidden.nbytes
+
+
+class OwnKindModel:
+    """The stories model, its layers' caches of ``OwnKindCache``'s kind."""
+
+    def __init__(self, model):
+        self.model, self.args = model, model.args
+
+    def __call__(self, inputs, cache=None):
+        return self.model(inputs, cache=cache)
+
+    def make_cache(self, max_kv_size=None):
+        return [OwnKindCache() for _ in self.model.make_cache(max_kv_size=max_kv_size)]
+
+
+def test_a_registered_batched_cache_kind_serves_the_engine_through_the_interface_alone(stories, monkeypatch):
+    """The engine uses a layer's batched cache only through ``BatchCache``: a kind that is
+    no ``BatchKVCache``, registered for its own single-sequence kind, batches prompts of
+    unequal length (never padded: it takes no padding), decodes, and hands finished rows
+    to the prompt cache and back, with the tokens of the model alone."""
+    model, tokenizer = stories
+    monkeypatch.setitem(BATCH_CACHES, OwnKindCache, lambda layer: OnlyTheInterface())
+    monkeypatch.setattr(OnlyTheInterface, "padded", [])
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    engine = Engine(OwnKindModel(model), tokenizer, prefill_step_size=8)
+    collector = Collector()
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(prompt, 20), collector(i))
+    run_until_done(engine)
+    engine.submit(Request(prompts[2], 20), collector("again"))
+    run_until_done(engine)
+    assert isinstance(engine._decode_cache[0], OnlyTheInterface)
+    for i, prompt in enumerate(prompts):
+        assert collector.tokens(i) == reference_tokens(model, tokenizer, prompt, 20)[0], f"prompt {i}"
+    assert collector.tokens("again") == collector.tokens(2) and collector.last("again").cached_tokens > 0
+    assert OnlyTheInterface.padded and not any(any(pads) for pads in OnlyTheInterface.padded)
+    monkeypatch.delitem(BATCH_CACHES, OwnKindCache)
+    with pytest.raises(UserError, match="no batched cache for layers whose cache is OwnKindCache"):
+        Engine(OwnKindModel(model), tokenizer)
 
 
 def test_windowed_batch_keeps_bounded_memory():
@@ -492,15 +591,58 @@ def test_seeded_sampling_is_the_same_alone_or_batched(stories):
     assert other_seed != alone[3]
 
 
+def test_a_tie_at_the_kth_value_gives_the_same_tokens_from_generate_and_from_the_server(stories):
+    """Every logit of this model is 0 and a logit bias lifts five tokens to a tie: top_k 3
+    keeps exactly three of them, the lowest ids, in every path, so one seed gives the same
+    tokens from ``stream_generate``, ``generate``, ``batch_generate`` and an engine request
+    built as the server builds it."""
+    from mlx_tfm.server.completions import sampling_of
+    from mlx_tfm.server.protocol import CompletionRequest
+    from mlx_tfm.server.settings import ServerSettings
+
+    _, tokenizer = stories
+    model = tiny_model(seed=6, tie_word_embeddings=False)
+    model.lm_head.weight = mx.zeros_like(model.lm_head.weight)
+    tied = [100, 101, 102, 103, 104]
+    sampling = SamplingParams(temp=1.0, top_k=3, seed=11, logit_bias={token: 5.0 for token in tied})
+    prompt = tokenizer.encode("Once upon a time")
+    single = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=40, sampling=sampling)]
+    assert set(single) == {100, 101, 102}  # 103 and 104 tie with them at the k-th value, and never come
+    text = generate(model, tokenizer, prompt, max_tokens=40, temp=1.0, top_k=3, seed=11, logit_bias=sampling.logit_bias)
+    assert batch_generate(model, tokenizer, [prompt], 40, sampling) == [text] and text == tokenizer.decode(single)
+    fields = CompletionRequest(prompt=prompt, temperature=1.0, top_k=3, seed=11,
+                               logit_bias={str(token): 5.0 for token in tied})
+    server_sampling = sampling_of(fields, ServerSettings(model="tiny"), model.args.vocab_size, row=0)
+    engine = Engine(model, tokenizer)
+    collector = Collector()
+    engine.submit(Request(prompt, 40, server_sampling), collector("server"))
+    engine.submit(Request(prompt, 40, dataclasses.replace(server_sampling, seed=12)), collector("other seed"))
+    run_until_done(engine)
+    assert collector.tokens("server") == single and collector.tokens("other seed") != single
+
+
+def test_one_request_gives_the_same_tokens_from_generate_and_from_the_engine(stories):
+    """The same ``SamplingParams`` (seeded draws, filters, penalties, bias) through the
+    single-sequence loop and through a batch of the engine."""
+    model, tokenizer = stories
+    settings = [SamplingParams(temp=0.9, top_p=0.9, min_p=0.05, seed=1, presence_penalty=1.5, frequency_penalty=0.5),
+                SamplingParams(temp=1.1, top_k=20, seed=2, repetition_penalty=1.5, logit_bias={5: -2.0}),
+                SamplingParams(presence_penalty=2.0, frequency_penalty=1.0)]
+    prompts = PROMPTS[:3]
+    alone = [generate(model, tokenizer, p, max_tokens=40, sampling=s) for p, s in zip(prompts, settings)]
+    assert batch_generate(model, tokenizer, prompts, 40, settings) == alone
+    assert alone[2] != generate(model, tokenizer, prompts[2], max_tokens=40)  # the penalties act in generate too
+
+
 def test_sample_rows_follows_each_rows_filters():
     """Each row's draws stay inside the set numpy allows, and a plain temperature row
     matches its softmax frequencies."""
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 2, size=(4, 50)).astype(np.float32)
     logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    rows = [RowSettings(temp=1.0, top_k=3), RowSettings(temp=1.0, top_p=0.5), RowSettings(temp=1.0, min_p=0.2),
-            RowSettings(temp=0.0)]
-    settings = BatchSettings(rows)
+    rows = [SamplingParams(temp=1.0, top_k=3), SamplingParams(temp=1.0, top_p=0.5),
+            SamplingParams(temp=1.0, min_p=0.2), SamplingParams(temp=0.0)]
+    settings = SamplingRows(rows)
     order = np.argsort(-logprobs, axis=-1)
     probs = np.exp(logprobs)
     allowed = [set(order[0, :3])]
@@ -520,7 +662,7 @@ def test_sample_rows_follows_each_rows_filters():
 
     # a two-token distribution at temperature 0.5: frequencies follow softmax(logits / 0.5)
     two = np.log(np.array([[0.7, 0.3]], np.float32))
-    settings = BatchSettings([RowSettings(temp=0.5)])
+    settings = SamplingRows([SamplingParams(temp=0.5)])
     key = mx.random.key(7)[None]
     draws = []
     for _ in range(2000):

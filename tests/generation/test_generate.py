@@ -13,7 +13,8 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.generation.token_cache import TokenCache
 from mlx_tfm.model.transformer import Model
 from mlx_tfm.model.config import ModelArgs
-from mlx_tfm.generation.sampling import make_logits_processors, make_sampler
+from mlx_tfm.generation.sampling import SamplingParams, make_logits_processors, make_sampler
+from mlx_tfm.generation.settings import GenerationSettings
 from fixtures.model_folders import tiny_llama_config, write_model_folder
 
 
@@ -175,6 +176,51 @@ def test_seeded_sampling_is_reproducible(stories):
 
     assert sample(11) == sample(11)
     assert sample(11) != sample(12)
+
+
+def test_a_seed_in_the_sampling_settings_is_the_generation_s_own_random_stream(stories):
+    """``seed=`` draws from its own key: the global random state, seeded or drawn from in
+    between, changes nothing; another seed changes the tokens."""
+    model, tokenizer = stories
+
+    def sample(seed, global_seed):
+        mx.random.seed(global_seed)
+        mx.random.uniform()
+        return tokens_of(stream_generate(model, tokenizer, [1], max_tokens=40, temp=1.0, top_p=0.95, seed=seed))
+
+    assert sample(11, 0) == sample(11, 1)
+    assert sample(11, 0) != sample(12, 0)
+
+
+# -- the settings object -------------------------------------------------------------------
+
+
+def test_settings_object_and_keywords_give_the_same_generation(stories, golden):
+    model, tokenizer = stories
+    settings = GenerationSettings(max_tokens=12, sampling=SamplingParams(repetition_penalty=3.0), stop_strings=("xyz",))
+    by_object = tokens_of(stream_generate(model, tokenizer, [1], settings))
+    by_keywords = tokens_of(stream_generate(model, tokenizer, [1], max_tokens=12, repetition_penalty=3.0,
+                                            stop_strings=["xyz"]))
+    mlx_lm_style = tokens_of(stream_generate(model, tokenizer, [1], max_tokens=12, stop_strings=["xyz"],
+                                             logits_processors=make_logits_processors(repetition_penalty=3.0)))
+    assert by_object == by_keywords == mlx_lm_style != golden["generated_ids"][:12]
+    assert len(by_object) == 12
+    assert tokens_of(stream_generate(model, tokenizer, [1], settings, max_tokens=3)) == by_object[:3]  # keywords win
+    assert generate(model, tokenizer, [1], settings=settings) == generate(model, tokenizer, [1], False, settings)
+
+
+def test_a_bad_keyword_or_setting_is_named(stories):
+    model, tokenizer = stories
+    with pytest.raises(TypeError, match="'max_token'"):
+        list(stream_generate(model, tokenizer, [1], max_token=5))
+    with pytest.raises(TypeError, match="settings must be a GenerationSettings"):
+        list(stream_generate(model, tokenizer, [1], 5))
+    with pytest.raises(ValueError, match="either a sampler or a sampling temperature"):
+        list(stream_generate(model, tokenizer, [1], sampler=make_sampler(), temp=0.5))
+    with pytest.raises(UserError, match="invalid sampling settings: temp=-1"):
+        generate(model, tokenizer, [1], temp=-1)
+    with pytest.raises(UserError, match="logit_bias names token ids outside the model's vocabulary of 512"):
+        generate(model, tokenizer, [1], logit_bias={512: 1.0})
 
 
 # -- prompt cache files ------------------------------------------------------------------

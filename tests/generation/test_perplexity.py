@@ -181,6 +181,10 @@ def test_a_quantized_kv_cache_costs_a_little_perplexity(tmp_path):
     assert plain.perplexity != eight.perplexity
     assert abs(eight.perplexity / plain.perplexity - 1) < 0.01
     assert abs(four.perplexity / plain.perplexity - 1) < 0.1
+    # no group size given: groups of 32, which divide the head (64 would not)
+    assert mlx_tfm.perplexity(model, tokenizer, tmp_path / "t.txt", sequence_length=256, kv_bits=8) == eight
+    assert main(["perplexity", "--model", str(SHIPPED_MODEL), "--data", str(tmp_path / "t.txt"),
+                 "--sequence-length", "256", "--kv-bits", "8"]) == 0
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -39,6 +39,21 @@ def test_top_k_keeps_exactly_the_k_largest():
             assert set(np.flatnonzero(np.isfinite(row))) == set(np.argsort(-original)[:k])
 
 
+def test_top_k_keeps_exactly_k_at_a_tie_the_lowest_ids_for_one_k_or_one_per_row():
+    """Tokens tied at the k-th value: exactly k are kept (mlx-lm's rule), the lowest ids
+    among the tied; a number and one k per row (the engine's batches) keep the same."""
+    logprobs = mx.array([[0.0, 5.0, 5.0, 5.0, 1.0, 5.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]])
+
+    def kept_rows(filtered):
+        return [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in np.array(filtered)]
+
+    assert kept_rows(apply_top_k(logprobs, 2)) == [{1, 2}, {0, 1}]
+    assert kept_rows(apply_top_k(logprobs, mx.array([[2], [2]]))) == [{1, 2}, {0, 1}]
+    assert kept_rows(apply_top_k(logprobs, 5)) == [{1, 2, 3, 5, 4}, {0, 1, 2, 3, 4}]
+    assert kept_rows(apply_top_k(logprobs, mx.array([[3], [0]]))) == [{1, 2, 3}, set(range(6))]
+    assert kept_rows(apply_top_k(logprobs, mx.array([[6], [9]]))) == [set(range(6)), set(range(6))]
+
+
 def test_top_p_keeps_the_nucleus():
     lp = logprobs_of(PROBS)
     assert kept(apply_top_p(lp, 0.45)) == {1}

@@ -267,6 +267,41 @@ def test_generate_and_chat_with_a_quantized_cache(shipped, own_text_ids, tmp_pat
     assert all(isinstance(layer, QuantizedKVCache) for layer in session.cache.layers)
 
 
+def test_kv_bits_alone_quantizes_a_head_of_32_in_groups_of_32(shipped, tmp_path):
+    """The shipped model's head_dim is 32, which mlx_lm's usual group of 64 does not
+    divide: with no group size given the cache is quantized in groups of 32, as when 32
+    is given (the Python API; ``mlx-tfm generate`` is checked in test_generate_cli.py)."""
+    model, tokenizer = shipped
+    cache = model.make_cache()
+    tokens = [r.token for r in stream_generate(model, tokenizer, [1], max_tokens=30, prompt_cache=cache, kv_bits=8,
+                                               quantized_kv_start=0)]
+    assert all(layer.is_quantized and layer.keys.group_size == GROUP for layer in cache)
+    given = [r.token for r in stream_generate(model, tokenizer, [1], max_tokens=30, kv_bits=8, kv_group_size=GROUP,
+                                              quantized_kv_start=0)]
+    assert tokens == given
+    token_cache = TokenCache(model, kv_quantization=KVQuantization(8, start=0))
+    model(mx.array([[1, 5, 6]]), cache=token_cache.layers)
+    token_cache.record([1, 5, 6])
+    token_cache.save(tmp_path / "cache.safetensors")
+    loaded = TokenCache.load(tmp_path / "cache.safetensors", model)
+    assert all(layer.keys.group_size == GROUP for layer in loaded.layers)
+    assert json.loads(mx.load(str(tmp_path / "cache.safetensors"), return_metadata=True)[1]["layers"])[0][
+        "group_size"] == GROUP
+
+
+@pytest.mark.parametrize("head_dim, group", [(32, 32), (64, 64), (96, 32), (128, 128), (256, 128), (80, None)])
+def test_the_default_group_is_the_largest_that_divides_the_head(head_dim, group):
+    from mlx_tfm.model.cache import default_kv_group_size
+
+    assert default_kv_group_size(head_dim) == group
+    if group is None:
+        with pytest.raises(UserError, match="no KV-cache group size .* divides the model's head_dim 80"):
+            KVQuantization(8).check(head_dim)
+    else:
+        KVQuantization(8).check(head_dim)
+        assert KVQuantization(8).group_for(head_dim) == group and KVQuantization(8, 32).group_for(head_dim) == 32
+
+
 def test_speculative_decoding_over_a_quantized_cache_equals_plain_decoding_over_it(shipped):
     model, tokenizer = shipped
     settings = dict(max_tokens=80, kv_bits=4, kv_group_size=GROUP, quantized_kv_start=0)

@@ -1,0 +1,133 @@
+"""The engine's view of a request: a ``Row`` (its tokens, how far its cache has read them,
+its sampling settings, random key, processors and text pieces) and a ``RowBatch`` (rows
+with one batched cache per layer, kept in step: row i of every layer is ``rows[i]``).
+The prefill group and the decoding batch are each a ``RowBatch``."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from ..errors import UserError
+from ..generation.sampling import penalties_for
+from ..generation.step import context_room
+from ..generation.stream import TextPieces
+from .batch_cache import BatchCache
+from .requests import MAX_TOP_LOGPROBS, Event, Request
+
+
+class Row:
+    """One admitted request."""
+
+    def __init__(self, request_id: int, request: Request, on_event: Callable[[Event], None]):
+        self.id = request_id
+        self.request = request
+        self.on_event = on_event
+        self.tokens = list(request.prompt)  # the prompt, then every generated token
+        self.fed = 0  # tokens[:fed] are in the row's cache; tokens[fed] is fed next
+        self.cached_tokens = 0
+        self.generated = 0
+        self.max_tokens = request.max_tokens
+        self.finish_reason: str | None = None
+        self.settings = request.sampling
+        self.key: mx.array | None = None
+        self.processors: list = []
+        self.pieces: TextPieces | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def pending(self) -> int:
+        """Prompt tokens still to prefill (all but the last, which the first decoding step feeds)."""
+        return max(0, self.prompt_length - 1 - self.fed)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.pending == 0
+
+    def event(self, token, text, finish_reason, logprob=None, top=None, error=None, internal=False) -> Event:
+        return Event(token=token, text=text, logprob=logprob, top_logprobs=top, finish_reason=finish_reason,
+                     prompt_tokens=self.prompt_length, cached_tokens=self.cached_tokens,
+                     generation_tokens=self.generated, error=error, internal=internal)
+
+    def prepare(self, model, tokenizer, single_caches: list, seed: int) -> None:
+        """Check the request and build the row's key (from its own seed, else ``seed``),
+        processors and text pieces; a ``UserError`` is the request's one error event.
+        ``single_caches`` (``model.make_cache``'s) say how long the context is."""
+        request, vocab_size = self.request, model.args.vocab_size
+        prompt = request.prompt
+        if not prompt:
+            raise UserError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise UserError(f"the prompt holds token ids outside the model's vocabulary of {vocab_size}")
+        if request.max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        self.settings.check(vocab_size)
+        room = context_room(model, single_caches, len(prompt))
+        self.max_tokens = request.max_tokens if room is None else min(request.max_tokens, room)
+        self.key = mx.random.key(self.settings.seed if self.settings.seed is not None else seed)
+        # the logit bias is added for the whole batch at once (SamplingRows); these run per row
+        self.processors = penalties_for(self.settings, len(prompt)) + list(request.logits_processors)
+        self.pieces = TextPieces(tokenizer, mx.array(prompt), list(request.stop_strings))
+
+
+class RowBatch:
+    """Rows and one ``BatchCache`` per layer whose row i is ``rows[i]``."""
+
+    def __init__(self, kinds: list[BatchCache]):
+        self.kinds = kinds  # an empty cache per layer: what a new batch of that layer starts as
+        self.rows: list[Row] = []
+        self.caches = self._empty()
+
+    def _empty(self) -> list[BatchCache]:
+        return [kind.select([]) for kind in self.kinds]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: list[Row], caches: list[list[BatchCache]]) -> None:
+        """Append ``rows``; ``caches`` holds one list per layer of batched caches with
+        their rows, in order (each layer's rows join in one copy)."""
+        self.rows += rows
+        for layer, joining in zip(self.caches, caches):
+            layer.extend(*joining)
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only the rows at ``indices``, in that order."""
+        self.rows = [self.rows[i] for i in indices]
+        self.caches = [layer.select(indices) for layer in self.caches]
+
+    def take(self, indices: list[int]) -> tuple[list[Row], list[BatchCache]]:
+        """Remove the rows at ``indices`` and return them with their caches (all of them:
+        the caches themselves, without a copy)."""
+        chosen = set(indices)
+        rest = [i for i in range(len(self.rows)) if i not in chosen]
+        if not rest:
+            taken = (self.rows, self.caches)
+            self.clear()
+            return taken
+        taken = ([self.rows[i] for i in indices], [layer.select(indices) for layer in self.caches])
+        self.keep(rest)
+        return taken
+
+    def remove_finished(self, remember: Callable[[Row, list[BatchCache], int], None]) -> bool:
+        """Drop the finished rows, after ``remember(row, caches, index)`` for each that did
+        not fail; whether any left."""
+        done = [i for i, row in enumerate(self.rows) if row.finish_reason is not None]
+        for i in done:
+            if self.rows[i].finish_reason != "error":
+                remember(self.rows[i], self.caches, i)
+        if done:
+            self.keep([i for i, row in enumerate(self.rows) if row.finish_reason is None])
+        return bool(done)
+
+    def clear(self) -> None:
+        self.rows, self.caches = [], self._empty()
+
+
+__all__ = ["Row", "RowBatch"]
