@@ -5,6 +5,7 @@ commands run on data every installation has."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -77,8 +78,12 @@ def write_files(files: list[Path], target: Path) -> None:
     """Copy ``files`` into ``target``, each file whole or not at all. A new folder appears
     with all of them at once; an existing one keeps its other files (an existing folder is
     never replaced itself: it may be the working directory)."""
-    from ..atomic import atomic_files_into, atomic_folder
+    from ..atomic import atomic_files_into, atomic_folder, remove_stale_temporaries
 
+    # What a killed run left: beside a new folder, or inside an existing one.
+    stale = remove_stale_temporaries(target) + remove_stale_temporaries(target.parent, target.name)
+    for path in stale:
+        print(f"removed {path}, left by an interrupted run", file=sys.stderr)
     writer = atomic_files_into(target) if target.is_dir() else atomic_folder(target)
     with writer as tmp:
         for file in files:

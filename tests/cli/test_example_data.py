@@ -145,3 +145,16 @@ def test_an_interrupted_write_leaves_no_folder(tmp_path, capsys, monkeypatch):
     err = one_line_error(capsys, tmp_path / "data")
     assert "no space left" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_a_killed_run_left_is_removed(tmp_path, capsys):
+    """kill -9 mid-write leaves a hidden temporary named after DIR and the dead writer's
+    process id; the next run removes it and says so."""
+    dead = 2**22 + 1  # above Linux's largest pid: no such process
+    left = tmp_path / f".data.{dead}.x1y2.tmp"
+    left.mkdir()
+    (left / "train.jsonl").write_text("{")
+    code, _, err = write(capsys, tmp_path / "data")
+    assert code == 0
+    assert f"removed {left}, left by an interrupted run" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
