@@ -15,7 +15,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 output="${1:-/tmp/default-stories-model}"
-teacher="$here/../../shared/data/stories260K-hf"
+teacher="$here/../tests/data/stories260K-hf"  # in a clone of this repository
 corpus="${CORPUS:-/tmp/stories-distill}"
 
 if [ ! -f "$corpus/train.jsonl" ]; then

@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "fill-mask": "mlx_tfm.cli.fill_mask",
     "rerank": "mlx_tfm.cli.rerank",
     "perplexity": "mlx_tfm.cli.perplexity",
+    "example-data": "mlx_tfm.cli.example_data",
 }
 
 
