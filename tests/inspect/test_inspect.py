@@ -233,7 +233,7 @@ def test_kv_bytes_at_a_context_count_sliding_windows():
     assert measured == 2 * 2 * 8 * 4 * (4 + 20)  # k and v, 2 KV heads of 8, float32, window + full
 
 
-@pytest.mark.parametrize("head_dim, group", [(64, 64), (128, 64), (96, 32)])
+@pytest.mark.parametrize("head_dim, group", [(64, 64), (128, 128), (96, 32)])  # the default group: the largest that divides
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_kv_bytes_follow_mlx_affine_layout(head_dim, group, bits):
     args = ModelArgs.from_dict(dict(vocab_size=10, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
