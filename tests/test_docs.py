@@ -154,8 +154,8 @@ def shown_invocations(path: Path) -> list[tuple[str, str, list[str]]]:
 @pytest.fixture(scope="module")
 def parsers() -> dict:
     """Each subcommand's parser, built as `mlx-tfm` builds them."""
-    parser = build_parser(_available_subcommands())
-    return parser._subparsers._group_actions[0].choices
+    _, subparsers = build_parser(_available_subcommands())
+    return subparsers
 
 
 def bad_invocations(path: Path, parsers: dict) -> list[str]:
