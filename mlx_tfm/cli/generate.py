@@ -60,23 +60,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from ..generation.sampling import SamplingParams
-    from ..generation.speculative import sync_draft_cache
     from ..generation.step import check_vocabulary
     from ..generation.stream import format_stats, stream_generate
-    from ..generation.token_cache import TokenCache
     from ..loading import load
 
-    if args.max_tokens < 0:
-        raise UserError(f"--max-tokens must be at least 0, got {args.max_tokens}")
-    if args.max_kv_size is not None and args.max_kv_size < 2:
-        raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
-    decoding_flags.check(args)
-    sampling = SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty,
-                              repetition_context_size=args.repetition_context_size)
-    sampling.check()  # draws from the random state --seed seeds (seed_alike), as mlx_lm.generate
+    sampling = checked_settings(args)
     world = sharding_flags.join(args, refused={"--prompt-cache-file": args.prompt_cache_file,
                                                "--draft-model": args.draft_model,
                                                "--prompt-lookup-num-tokens": args.prompt_lookup_num_tokens})
@@ -91,23 +79,14 @@ def run(args) -> int:
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
     prompt = world.share(read_prompt(args.prompt) if world.leader else None)  # the same prompt on every rank
     prompt_tokens = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
-
-    kv_quantization = decoding_flags.kv_quantization(args)
     cache_file = Path(args.prompt_cache_file) if args.prompt_cache_file else None
-    if cache_file is not None and cache_file.is_file():
-        token_cache = TokenCache.load(cache_file, model, args.max_kv_size, kv_quantization)
-    else:
-        token_cache = TokenCache(model, args.max_kv_size, kv_quantization=kv_quantization)
+    token_cache = open_token_cache(args, model, cache_file)
     to_process = token_cache.prepare(prompt_tokens)
-    speculation = dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, num_draft_tokens=args.num_draft_tokens)
-    if draft_model is not None:
-        draft_cache = TokenCache(draft_model)
-        sync_draft_cache(draft_cache, token_cache)
-        speculation.update(draft_model=draft_model, draft_cache=draft_cache.layers)
 
     generated, response = [], None
     for response in stream_generate(model, tokenizer, to_process, max_tokens=args.max_tokens, sampling=sampling,
-                                    prompt_cache=token_cache.layers, stop_strings=args.stop, **speculation):
+                                    prompt_cache=token_cache.layers, stop_strings=args.stop,
+                                    **speculation(args, draft_model, token_cache)):
         print(response.text, end="", flush=True)
         generated.append(response.token)
     print(flush=True)
@@ -116,6 +95,47 @@ def run(args) -> int:
     if args.verbose and response is not None:
         print(format_stats(response), file=sys.stderr)
     return 0
+
+
+def checked_settings(args):
+    """The flags checked before anything loads; the sampler settings they give."""
+    from ..errors import UserError
+    from ..generation.sampling import SamplingParams
+
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens must be at least 0, got {args.max_tokens}")
+    if args.max_kv_size is not None and args.max_kv_size < 2:
+        raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+    decoding_flags.check(args)
+    sampling = SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty,
+                              repetition_context_size=args.repetition_context_size)
+    sampling.check()  # draws from the random state --seed seeds (seed_alike), as mlx_lm.generate
+    return sampling
+
+
+def open_token_cache(args, model, cache_file: Path | None):
+    """The conversation's cache: read from ``--prompt-cache-file`` when it exists, else empty."""
+    from ..generation.token_cache import TokenCache
+
+    kv_quantization = decoding_flags.kv_quantization(args)
+    if cache_file is not None and cache_file.is_file():
+        return TokenCache.load(cache_file, model, args.max_kv_size, kv_quantization)
+    return TokenCache(model, args.max_kv_size, kv_quantization=kv_quantization)
+
+
+def speculation(args, draft_model, token_cache) -> dict:
+    """stream_generate's speculative settings: prompt lookup, or a draft model whose cache
+    starts where the target's does."""
+    from ..generation.speculative import sync_draft_cache
+    from ..generation.token_cache import TokenCache
+
+    settings = dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, num_draft_tokens=args.num_draft_tokens)
+    if draft_model is not None:
+        draft_cache = TokenCache(draft_model)
+        sync_draft_cache(draft_cache, token_cache)
+        settings.update(draft_model=draft_model, draft_cache=draft_cache.layers)
+    return settings
 
 
 def run_text_to_text(args, model, tokenizer, sampling) -> int:
