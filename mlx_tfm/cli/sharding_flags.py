@@ -44,7 +44,7 @@ def join(args, refused: dict | None = None):
     world = join()
     if world.size == 1:
         raise UserError(f"{flag} splits the model over the processes mlx.launch starts, and this is one process "
-                        "(e.g. mlx.launch -n 2 -- mlx-tfm ...; README: More than one machine)")
+                        "(e.g. mlx.launch -n 2 -- mlx-tfm ...; docs/distributed.md)")
     return world
 
 

@@ -8,5 +8,5 @@
   each rank reading only its own part of the weights;
 - ``follow``: how the other ranks follow rank 0's chat and server.
 
-README "More than one machine" tells how to run it.
+docs/distributed.md tells how to run it.
 """

@@ -84,7 +84,7 @@ class ModelArgs:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     first_k_dense_replace: int = 0
-    # the three architectures (README "Three architectures"): "decoder" (GPT, Llama),
+    # the three architectures (docs/model.md, "Three architectures"): "decoder" (GPT, Llama),
     # "encoder" (BERT family: bidirectional, mlx_tfm/model/encoders.py) or "encoder-decoder" (T5)
     kind: str = "decoder"
     # encoders' embeddings: token types (BERT), a norm over the summed embeddings (BERT,

@@ -1,6 +1,6 @@
 """`mlx-tfm info` and the BLAS routing it reports. These tests pass with and without an
 optimized BLAS installed: the routing is proven with a stand-in library, and its speed is
-measured by `mlx-tfm info --matmul-benchmark` (README: "Fast on Linux"), not asserted."""
+measured by `mlx-tfm info --matmul-benchmark` (docs/linux-cpu.md, "An optimized BLAS"), not asserted."""
 
 import os
 import subprocess

@@ -1,5 +1,5 @@
-"""Several ranks on 127.0.0.1, started as mlx.launch starts them (README "More than one
-machine"): data-parallel training equals one process on the same global batch, a model
+"""Several ranks on 127.0.0.1, started as mlx.launch starts them (docs/distributed.md):
+data-parallel training equals one process on the same global batch, a model
 split by layers or within layers equals the whole model, rank 0 alone prints, serves and
 writes, and a rank that dies, fails or never comes ends the others within the bound with
 one line naming it. Every multi-process run has a timeout (fixtures/ranks.py).
