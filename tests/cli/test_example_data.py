@@ -89,8 +89,8 @@ def test_train_reads_the_tinyshakespeare_text(tmp_path, capsys):
 
 
 def test_help_says_what_each_set_writes():
-    parser = build_parser({"example-data": example_data})
-    subcommand = parser._subparsers._group_actions[0].choices["example-data"]
+    _, subparsers = build_parser({"example-data": example_data})
+    subcommand = subparsers["example-data"]
     text = subcommand.format_help()
     for name in example_data.SETS:
         files = [p.name for p in (example_data.ASSETS / name).iterdir() if p.suffix in (".jsonl", ".txt")]
