@@ -202,20 +202,25 @@ GGUF_MAGIC = b"GGUF"
 
 def read_source(path: Path) -> Source:
     """Dispatch on what ``path`` is: a folder (Hugging Face or MLX), or a file told apart by
-    its first bytes (GGUF magic; otherwise a llama2.c checkpoint, whose legacy header has
-    no magic)."""
+    its first bytes (GGUF magic; a llama2.c checkpoint's header, which in the legacy format
+    has no magic but only plausible sizes); anything else is refused in one line."""
     if path.is_dir():
         from .hf import read_hf_folder
 
         return read_hf_folder(path)
+    from .llama2c import LEGACY_HEADER_BYTES, may_be_llama2c
+
     with open(path, "rb") as f:
-        magic = f.read(9)
-    if magic[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
+        head = f.read(LEGACY_HEADER_BYTES)
+    if head[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
         raise UserError(f"{path} is a safetensors file: pass the folder that holds it and its config.json")
-    if magic[:4] == GGUF_MAGIC:
+    if head[:4] == GGUF_MAGIC:
         from .gguf_file import read_gguf
 
         return read_gguf(path)
+    if not may_be_llama2c(head):
+        raise UserError(f"{path} is not a model file mlx_tfm can read: not a folder, GGUF, safetensors "
+                        "or llama2.c checkpoint")
     from .llama2c import read_llama2c
 
     return read_llama2c(path)
