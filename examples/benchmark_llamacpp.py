@@ -105,32 +105,12 @@ def interleaved_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def gguf_name(name: str) -> str:
-    if name in GGUF_NAMES:
-        return GGUF_NAMES[name]
-    _, _, layer, rest = name.split(".", 3)  # model.layers.{i}.rest
-    return f"blk.{layer}.{GGUF_NAMES[rest]}"
-
-
 def write_gguf_f32(safetensors: Path, path: Path) -> None:
     """The float32 folder as a llama.cpp GGUF (F32), with a placeholder SentencePiece vocab."""
     import gguf
     from safetensors.numpy import load_file
+
+    from mlx_tfm.convert.gguf_file import gguf_name
 
     c = LLAMA_135M
     writer = gguf.GGUFWriter(str(path), "llama")
