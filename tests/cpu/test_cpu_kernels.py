@@ -683,15 +683,70 @@ print(json.dumps({"isa": K.isa(), "errors": errors}))
 """
 
 
-@pytest.mark.parametrize("cap", ["", "avx2", "generic"])
+# What each instruction set needs of the CPU, read from /proc/cpuinfo (the kernels are built
+# on Linux only), apart from the extension's own detection; best first.
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"},
+             "generic": set()}
+ISA_LACKS = {"avx512": "AVX-512 F/BW/VL/DQ", "avx2": "AVX2/FMA/F16C"}
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return {flag for line in f if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()}
+
+
+CPU_RUNS = [isa for isa, needs in ISA_NEEDS.items() if needs <= cpu_flags()]
+
+
+@pytest.mark.parametrize("cap", ["", *CPU_RUNS])
 def test_every_instruction_set_gives_mlx_s_numbers(cap):
     env = {**os.environ, "MLX_TFM_KERNELS_ISA": cap, "MLX_TFM_KERNELS_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", ISA_CHECK], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    if cap:
-        assert report["isa"] in (cap, "generic")
+    assert report["isa"] == (cap or CPU_RUNS[0])  # the set asked for, or the best, never another
     assert all(error < 1e-3 for error in report["errors"].values()), report
+
+
+def mlx_tfm_with_isa(isa: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLX_TFM_KERNELS": "1", "MLX_TFM_KERNELS_ISA": isa}
+    return subprocess.run([sys.executable, "-m", "mlx_tfm", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("isa", ISA_NEEDS)
+def test_info_runs_the_set_asked_for_or_says_the_cpu_lacks_it(isa):
+    """avx512 once gave AVX2 without a word; now it gives AVX-512 or fails in one line."""
+    done = mlx_tfm_with_isa(isa, "info")
+    if isa in CPU_RUNS:
+        assert done.returncode == 0, done.stderr
+        assert f"cpu kernels     in use ({isa}, " in done.stdout
+    else:
+        assert done.returncode == 1
+        runs = ", ".join(CPU_RUNS)
+        assert done.stderr == f"error: MLX_TFM_KERNELS_ISA={isa}: this CPU lacks {ISA_LACKS[isa]} (it runs {runs})\n"
+
+
+UNKNOWN_ISA = ("error: MLX_TFM_KERNELS_ISA={} is not an instruction set mlx_tfm's kernels know: use avx512, avx2 "
+               "or generic, or leave it unset for the best this CPU runs\n")
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "--model", "{stories}", "-p", "hi", "-m", "2"]])
+@pytest.mark.parametrize("isa", ["avx3", "AVX2", "neon"])
+def test_an_unknown_instruction_set_is_one_line(isa, command, stories_hf):
+    done = mlx_tfm_with_isa(isa, *(arg.format(stories=stories_hf) for arg in command))
+    assert done.returncode == 1
+    assert done.stderr == UNKNOWN_ISA.format(isa)
+    assert "Traceback" not in done.stdout
+
+
+def test_the_extension_refuses_ops_under_a_bad_request():
+    """Used directly, the extension raises as an op is made (never a fallback when it runs)."""
+    code = "import mlx_tfm, mlx.core as mx; from mlx_tfm.cpu.kernels import _kernels as K; K.matvec(mx.ones((1, 4)), mx.ones((2, 4)))"
+    env = {**os.environ, "MLX_TFM_KERNELS_ISA": "avx3"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "ValueError: " + UNKNOWN_ISA.format("avx3")[len("error: "):].strip()
 
 
 # -- the switch and what `mlx-tfm info` says -----------------------------------------------
