@@ -642,8 +642,8 @@ def test_moe_gguf_quantized_experts_stay_exact(name, kind, one_per_expert, tmp_p
     ours = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
     experts = dequantized_experts(tmp_path / "model.gguf")
     assert len(experts) == 3 * hf.config.num_hidden_layers
-    for gguf_name, reference in experts.items():
-        layer, projection = gguf_name.split(".")[1], OUR_EXPERTS[gguf_name.split(".")[2]]
+    for llama_cpp_name, reference in experts.items():
+        layer, projection = llama_cpp_name.split(".")[1], OUR_EXPERTS[llama_cpp_name.split(".")[2]]
         base = f"model.layers.{layer}.{block}.switch_mlp.{projection}"
         dequantized = mx.dequantize(ours[f"{base}.weight"], ours[f"{base}.scales"], ours[f"{base}.biases"],
                                     group_size=32, bits=bits)
