@@ -399,12 +399,15 @@ def test_pre_tokenizer_splits_as_llama_cpp(pre, bpe_across_boundaries, shakespea
     assert ours.encode(text).ids == reference.encode(text).ids
 
 
-def test_pre_tokenizer_types_tell_apart_on_the_text(bpe_across_boundaries):
-    """The check above can fail: on this text and vocabulary every llama.cpp type splits
-    into different ids, so a name mapped to the wrong type would show."""
-    ids = {kind: tuple(llama_cpp_split_tokenizer(bpe_across_boundaries, regexes).encode(SPLIT_TEXT).ids)
-           for kind, regexes in LLAMA_CPP_SPLITS.items()}
-    assert len(set(ids.values())) == len(ids)
+def test_pre_tokenizer_types_tell_apart_on_the_text(bpe_across_boundaries, tmp_path):
+    """The check above can fail: on this text and vocabulary each name's ids differ from
+    those of every llama.cpp type but its own, so a name mapped to the wrong type would show."""
+    references = {kind: llama_cpp_split_tokenizer(bpe_across_boundaries, regexes).encode(SPLIT_TEXT).ids
+                  for kind, regexes in LLAMA_CPP_SPLITS.items()}
+    for pre, own_kind in LLAMA_CPP_PRE_TYPES.items():
+        ours = our_gguf_tokenizer(bpe_across_boundaries, pre, tmp_path).encode(SPLIT_TEXT).ids
+        wrong = [kind for kind, ids in references.items() if kind != own_kind and ids == ours]
+        assert not wrong, f"{pre} splits as {wrong} too"
 
 
 def test_smollm_gguf_tokenizes_as_smollm(tmp_path, bpe, shakespeare):

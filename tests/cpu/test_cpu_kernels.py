@@ -329,14 +329,34 @@ def test_attention_gradients_are_mlx_s(masked):
 # -- the kernels inside MLX graphs ---------------------------------------------------------
 
 
+def dequantized_float64(weight, scales, biases, group_size: int, bits: int) -> np.ndarray:
+    """MLX's affine layout decoded in numpy, apart from MLX: value j of a row in bits
+    j*bits.. of its little-endian uint32 words, times its group's scale, plus its bias."""
+    words = np.array(weight).astype(np.uint64)  # (n, k * bits / 32)
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint64) * bits)[None, None, :]
+    q = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)  # (n, k)
+    groups = lambda a: np.repeat(np.array(a.astype(mx.float32), dtype=np.float64), group_size, axis=1)  # noqa: E731
+    return q * groups(scales) + groups(biases)
+
+
 def test_kernels_compose_lazily_with_mlx_ops():
     weight, scales, biases = quantized(64, 64, 32, 4)
-    x = random((1, 64))
+    x, w = random((1, 64)), random((10, 64))
     # y feeds the next product: the graph runs in order on the CPU stream.
     y = K.quantized_matvec(mx.tanh(x), weight, scales, biases, group_size=32, bits=4)
-    z = K.matvec(y * 2, random((10, 64)))
+    z = K.matvec(y * 2, w)
     mx.eval(z)
-    assert z.shape == (1, 10) and np.isfinite(np.array(z)).all()
+    # In float64, from the weights decoded apart from MLX. Bounds: float32 rounding of a
+    # 64-term sum (4 * 64 units of 2^-24 of the sum of |terms|) plus tanh's own (4 units),
+    # then y's error through the second product, plus that product's rounding.
+    t, w64 = np.tanh(np.array(x, dtype=np.float64)), np.array(w, dtype=np.float64)
+    w_q = dequantized_float64(weight, scales, biases, 32, 4)
+    y_ref, z_ref = t @ w_q.T, 2 * (t @ w_q.T) @ w64.T
+    y_bound = (4 * 64 + 4) * 2.0**-24 * (np.abs(t) @ np.abs(w_q).T)
+    z_bound = 2 * y_bound @ np.abs(w64).T + 4 * 64 * 2.0**-24 * (np.abs(2 * y_ref) @ np.abs(w64).T)
+    assert (np.abs(np.array(y) - y_ref) <= y_bound).all()
+    assert (np.abs(np.array(z) - z_ref) <= z_bound).all()
 
 
 def test_matvec_gradient_is_mlx_s():
