@@ -809,6 +809,22 @@ def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
         kernels_package._load.cache_clear()
 
 
+def test_on_macos_info_says_the_kernels_are_not_built_there(monkeypatch):
+    """setup.py builds them on Linux only: on macOS the message says why, not how to build."""
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")
+    real_find_spec = kernels_package.importlib.util.find_spec
+    monkeypatch.setattr(kernels_package.importlib.util, "find_spec",
+                        lambda name, *args: None if name.endswith("._kernels") else real_find_spec(name, *args))
+    monkeypatch.setattr(kernels_package.sys, "platform", "darwin")
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert kernels_package.status() == "not built on macOS (MLX runs on Metal there): pure MLX routes on its CPU"
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
 def test_info_names_the_kernels_in_use():
     done = subprocess.run([sys.executable, "-m", "mlx_tfm", "info"], capture_output=True, text=True, check=True,
                           env={**os.environ, "MLX_TFM_KERNELS": "1"})
