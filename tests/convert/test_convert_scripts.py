@@ -13,6 +13,7 @@ import zipfile
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 import pytest
 from fixtures.convert_helpers import greedy, stories_llama2c_tensors, write_stories_gguf
 from fixtures.project_builds import ROOT, built_wheel, copy_project
@@ -98,10 +99,12 @@ def test_a_converted_folder_quantizes_again(tmp_path, stories_hf):
     name = "model.layers.0.mlp.gate_proj"
     source = mx.dequantize(q8[f"{name}.weight"], q8[f"{name}.scales"], q8[f"{name}.biases"], group_size=64, bits=8)
     expected = mx.quantize(source, group_size=32, bits=4)
-    for part, reference in zip(("weight", "scales", "biases"), expected):
-        np.testing.assert_array_equal(np.array(q4[f"{name}.{part}"]), np.array(reference.astype(q4[f"{name}.{part}"].dtype)))
     model, _ = mlx_tfm.load(tmp_path / "q4")
-    assert model.args.num_hidden_layers == 5
+    loaded = dict(tree_flatten(model.parameters()))
+    for part, reference in zip(("weight", "scales", "biases"), expected):
+        stored = q4[f"{name}.{part}"]
+        np.testing.assert_array_equal(np.array(stored), np.array(reference.astype(stored.dtype)))
+        assert mx.array_equal(loaded[f"{name}.{part}"], stored)  # and the model runs them
 
 
 @pytest.mark.parametrize("name,source,message", [
