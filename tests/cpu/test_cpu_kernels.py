@@ -795,6 +795,20 @@ def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
         kernels_package._load.cache_clear()
 
 
+def test_kernels_built_from_older_sources_are_not_used(monkeypatch):
+    """A library from before the ISA switch's checks lacks what this module calls."""
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")
+    monkeypatch.setattr(K, "interface", 1)
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert kernels_package.status() == ("not in use: built from older sources: pure MLX routes; "
+                                            "`pip install -e .` rebuilds them")
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
 def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
     monkeypatch.setenv("MLX_TFM_KERNELS", "1")
     real_find_spec = kernels_package.importlib.util.find_spec

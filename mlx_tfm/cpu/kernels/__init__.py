@@ -38,6 +38,9 @@ from ...errors import UserError
 
 ENV_VAR = "MLX_TFM_KERNELS"
 ISA_VAR = "MLX_TFM_KERNELS_ISA"
+# The functions of the extension this module calls, by version (bindings.cpp's ``interface``;
+# builds from before it had none: version 1).
+INTERFACE = 2
 
 
 def _loaded() -> tuple[ModuleType | None, str]:
@@ -66,6 +69,8 @@ def _load() -> tuple[ModuleType | None, str, str]:
     if _kernels.built_with_mlx != mx.__version__:
         return None, (f"not in use: built against mlx {_kernels.built_with_mlx}, mlx {mx.__version__} is installed: "
                       "pure MLX routes; `pip install -e .` rebuilds them"), ""
+    if getattr(_kernels, "interface", 1) != INTERFACE:
+        return None, "not in use: built from older sources: pure MLX routes; `pip install -e .` rebuilds them", ""
     if _kernels.isa_request_error():
         return None, "", _kernels.isa_request_error()
     return _kernels, f"in use ({_kernels.isa()}, {_kernels.threads()} threads)", ""

@@ -65,5 +65,8 @@ NB_MODULE(_kernels, m) {
         "Why MLX_TFM_KERNELS_ISA cannot be honoured (a set unknown, or one this CPU lacks), or ''.");
   m.def("runnable_isas", &k::runnable_isas, "The instruction sets of this build this CPU runs, best first.");
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
+  // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,
+  // so a library built from older sources is not used until it is rebuilt.
+  m.attr("interface") = 2;
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
 }
