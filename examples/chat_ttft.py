@@ -24,7 +24,7 @@ from mlx_tfm.model.transformer import Model, count_parameters
 from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.tokenizer import load_tokenizer
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K-hf"
+STORIES = Path(__file__).resolve().parents[1] / "tests" / "data" / "stories260K-hf"
 # (message, answer tokens) per model: stories260K has a 512-token context and a 512-piece
 # vocabulary (many tokens per word), so its turns are kept short enough for ten to fit.
 SHORT = ("And then? ({turn})", 16)

@@ -4,7 +4,7 @@ Batched sampling with our own library: B rows start from BOS and decode together
 KV cache; each row stops at EOS or --max-tokens. Writes one story per line as
 ``{"text": ...}`` into OUTPUT/train.jsonl and OUTPUT/valid.jsonl.
 
-    python examples/distill_stories.py --teacher ../shared/data/stories260K-hf \
+    python examples/distill_stories.py --teacher tests/data/stories260K-hf \
         --output /tmp/stories-distill --tokens 2000000
 """
 
@@ -52,7 +52,7 @@ def whole_sentences(text: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher", default="../shared/data/stories260K-hf")
+    parser.add_argument("--teacher", default="tests/data/stories260K-hf")
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokens", type=int, default=2_000_000, help="stop after this many sampled tokens")
     parser.add_argument("--batch-size", type=int, default=128)

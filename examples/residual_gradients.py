@@ -35,7 +35,7 @@ from mlx_tfm.training.data import ByteTokenizer, TokenWindows
 from mlx_tfm.training.plots import plot_grad_norm_profiles
 from mlx_tfm.training.trainer import TrainingArgs, layer_grad_norms, loss_fn, train
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "tinyshakespeare" / "input.txt"
 DEEP = dict(vocab_size=258, hidden_size=64, num_hidden_layers=24, num_attention_heads=4, intermediate_size=128)
 VARIANTS = {
     "pre-norm + residual": dict(norm_placement="pre", residual=True),

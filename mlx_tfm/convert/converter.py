@@ -198,24 +198,43 @@ def convert_to_temporary(source: Path) -> Path:
 
 
 GGUF_MAGIC = b"GGUF"
+SOURCE_KINDS = ("folder", "gguf", "safetensors", "llama2c", "unknown")
+
+
+def source_kind(path: Path) -> str:
+    """What a local ``path`` holds, one of SOURCE_KINDS: a folder (Hugging Face or MLX), or a
+    file told apart by its first bytes (GGUF magic; a safetensors header; a llama2.c
+    checkpoint's header, which in the legacy format has no magic but only plausible sizes)."""
+    if path.is_dir():
+        return "folder"
+    from .llama2c import LEGACY_HEADER_BYTES, may_be_llama2c
+
+    with open(path, "rb") as f:
+        head = f.read(LEGACY_HEADER_BYTES)
+    if head[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
+        return "safetensors"
+    if head[:4] == GGUF_MAGIC:
+        return "gguf"
+    return "llama2c" if may_be_llama2c(head) else "unknown"
 
 
 def read_source(path: Path) -> Source:
-    """Dispatch on what ``path`` is: a folder (Hugging Face or MLX), or a file told apart by
-    its first bytes (GGUF magic; otherwise a llama2.c checkpoint, whose legacy header has
-    no magic)."""
-    if path.is_dir():
+    """The model at a local ``path``, read by the reader of its kind (``source_kind``);
+    anything else is refused in one line."""
+    kind = source_kind(path)
+    if kind == "folder":
         from .hf import read_hf_folder
 
         return read_hf_folder(path)
-    with open(path, "rb") as f:
-        magic = f.read(9)
-    if magic[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON header
-        raise UserError(f"{path} is a safetensors file: pass the folder that holds it and its config.json")
-    if magic[:4] == GGUF_MAGIC:
+    if kind == "gguf":
         from .gguf_file import read_gguf
 
         return read_gguf(path)
-    from .llama2c import read_llama2c
+    if kind == "llama2c":
+        from .llama2c import read_llama2c
 
-    return read_llama2c(path)
+        return read_llama2c(path)
+    if kind == "safetensors":
+        raise UserError(f"{path} is a safetensors file: pass the folder that holds it and its config.json")
+    raise UserError(f"{path} is not a model file mlx_tfm can read: not a folder, GGUF, safetensors "
+                    "or llama2.c checkpoint")

@@ -23,6 +23,7 @@ row like a matrix's, so Q8_0 / Q4_0 / Q4_1 experts are carried over exactly too.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -42,18 +43,25 @@ from ..families.experts import (
 from .llama2c import interleaved_to_half_split
 from .sources import Source
 
-# -- tensor names: llama.cpp's -> Hugging Face's ---------------------------------------------
+# -- tensor names: llama.cpp's <-> Hugging Face's ----------------------------------------------
+# Each row pairs a llama.cpp name with the Hugging Face name it becomes, as templates:
+# {layer} and {expert} stand for numbers, {kind} for weight or bias. The rows read both
+# ways: ``hf_name`` (reading a GGUF file) and ``gguf_name`` (writing one, as the tests'
+# and benchmarks' llama.cpp-style files do). The first matching row wins.
+
+NamePair = tuple[str, str]  # (llama.cpp template, Hugging Face template)
+PLACEHOLDERS = {"layer": r"\d+", "expert": r"\d+", "kind": r"weight|bias"}
 
 
-def per_layer(gguf_name: str, hf_name: str) -> tuple[str, str]:
-    """``blk.N.{gguf_name}.weight|bias`` -> ``model.layers.N.{hf_name}.weight|bias``."""
-    return rf"blk\.(\d+)\.{gguf_name}\.(weight|bias)", rf"model.layers.\1.{hf_name}.\2"
+def per_layer(gguf_part: str, hf_part: str) -> NamePair:
+    """``blk.N.{gguf_part}.weight|bias`` <-> ``model.layers.N.{hf_part}.weight|bias``."""
+    return f"blk.{{layer}}.{gguf_part}.{{kind}}", f"model.layers.{{layer}}.{hf_part}.{{kind}}"
 
 
 EMBEDDING_AND_HEAD = (
-    (r"token_embd\.weight", r"model.embed_tokens.weight"),
-    (r"output_norm\.(weight|bias)", r"model.norm.\1"),
-    (r"output\.(weight|bias)", r"lm_head.\1"),
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.{kind}", "model.norm.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
 )
 ATTENTION = tuple(per_layer(g, h) for g, h in [
     ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
@@ -75,9 +83,9 @@ OLMO2_NAMES = EMBEDDING_AND_HEAD + ATTENTION + GATED_MLP + POST_NORMS
 STARCODER2_NAMES = EMBEDDING_AND_HEAD + ATTENTION + PRE_NORMS + (
     per_layer("ffn_up", "mlp.c_fc"), per_layer("ffn_down", "mlp.c_proj"))
 PHI2_NAMES = (
-    (r"token_embd\.weight", r"model.embed_tokens.weight"),
-    (r"output_norm\.(weight|bias)", r"model.final_layernorm.\1"),
-    (r"output\.(weight|bias)", r"lm_head.\1"),
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.{kind}", "model.final_layernorm.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
     per_layer("attn_output", "self_attn.dense"),
     *ATTENTION,
     per_layer("attn_norm", "input_layernorm"),
@@ -86,7 +94,7 @@ PHI2_NAMES = (
 )
 
 
-def expert_names(block: str, hf_projections: dict[str, str]) -> tuple[tuple[str, str], ...]:
+def expert_names(block: str, hf_projections: dict[str, str]) -> tuple[NamePair, ...]:
     """A mixture-of-experts layer: the router ``ffn_gate_inp`` -> ``{block}.gate``; stacked
     experts ``blk.N.ffn_gate_exps.weight`` -> ``model.layers.N.{block}.switch_mlp.gate_proj.weight``;
     one tensor per expert (older files) ``blk.N.ffn_gate.E.weight`` -> the Hugging Face
@@ -94,11 +102,11 @@ def expert_names(block: str, hf_projections: dict[str, str]) -> tuple[tuple[str,
     ``hf_projections`` is the family's (Hugging Face projection -> stacked projection) table."""
     ours = {stacked: hf for hf, stacked in hf_projections.items()}
     names = [per_layer("ffn_gate_inp", f"{block}.gate")]
-    for gguf_name, stacked in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-        names.append((rf"blk\.(\d+)\.{gguf_name}_exps\.weight",
-                      rf"model.layers.\1.{block}.switch_mlp.{stacked}.weight"))
-        names.append((rf"blk\.(\d+)\.{gguf_name}\.(\d+)\.weight",
-                      rf"model.layers.\1.{block}.experts.\2.{ours[stacked]}.weight"))
+    for gguf_part, stacked in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+        names.append((f"blk.{{layer}}.{gguf_part}_exps.weight",
+                      f"model.layers.{{layer}}.{block}.switch_mlp.{stacked}.weight"))
+        names.append((f"blk.{{layer}}.{gguf_part}.{{expert}}.weight",
+                      f"model.layers.{{layer}}.{block}.experts.{{expert}}.{ours[stacked]}.weight"))
     return tuple(names)
 
 
@@ -207,7 +215,7 @@ def qwen3moe_keys(get, base: dict, tensors: dict) -> dict:
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
     hf_architecture: str
-    names: tuple[tuple[str, str], ...] = LLAMA_NAMES
+    names: tuple[NamePair, ...] = LLAMA_NAMES
     config: Callable = field(default=no_keys)  # family config keys (see above)
     permuted_qk: bool = False  # llama.cpp's Llama-lineage converters store q/k rows interleaved
     norm_shift: float = 0.0  # Gemma: llama.cpp stores every norm weight plus this
@@ -311,11 +319,37 @@ def rope_scaling(get) -> dict | None:
     raise UserError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn)")
 
 
+@functools.cache
+def template_pattern(template: str) -> re.Pattern:
+    """A name template as a regex, each placeholder a named group."""
+    parts = re.split(r"\{(\w+)\}", template)  # literal, placeholder, literal, ...
+    return re.compile("".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>{PLACEHOLDERS[part]})"
+                              for i, part in enumerate(parts)))
+
+
+def renamed(name: str, pairs: tuple[NamePair, ...], to_gguf: bool) -> str | None:
+    """``name`` through the first row of ``pairs`` whose source side matches it, or None."""
+    for gguf_template, hf_template in pairs:
+        source, target = (hf_template, gguf_template) if to_gguf else (gguf_template, hf_template)
+        match = template_pattern(source).fullmatch(name)
+        if match:
+            return target.format(**match.groupdict())
+    return None
+
+
 def hf_name(name: str, arch: str) -> str:
-    for pattern, replacement in GGUF_ARCHITECTURES[arch].names:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
-    return name  # left as is: the strict check names it as unexpected
+    """The Hugging Face name of llama.cpp's tensor ``name`` in a file of ``arch``; a name
+    the table lacks is left as is, so the strict check names it as unexpected."""
+    return renamed(name, GGUF_ARCHITECTURES[arch].names, to_gguf=False) or name
+
+
+def gguf_name(name: str, arch: str = "llama") -> str:
+    """llama.cpp's name of the Hugging Face tensor ``name`` in a file of ``arch`` (the
+    inverse of ``hf_name``, from the same table); ValueError for a tensor it has no name for."""
+    found = renamed(name, GGUF_ARCHITECTURES[arch].names, to_gguf=True)
+    if found is None:
+        raise ValueError(f"{name} has no GGUF name in llama.cpp's {arch} layout")
+    return found
 
 
 def exact_type(tensors: dict) -> str | None:

@@ -47,8 +47,28 @@ class Header:
         return self.n_kv_heads * self.head_dim
 
 
+LEGACY_HEADER_BYTES = 28
+# Generous bounds on a legacy header's fields (it has no magic): far beyond any llama2.c
+# model, far below the numbers any text's bytes make (printable ASCII read as a
+# little-endian int32 is at least 0x0a000000), so other files are told apart from it.
+HEADER_LIMITS = {"dim": 1 << 16, "hidden_dim": 1 << 18, "n_layers": 1 << 10, "n_heads": 1 << 10,
+                 "n_kv_heads": 1 << 10, "vocab_size": 1 << 21, "seq_len": 1 << 21}
+
+
+def may_be_llama2c(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first 28 bytes or more) can be a llama2.c
+    checkpoint: the versioned format's magic, or a legacy header whose every field is in
+    range (a negative vocab_size means a separate classifier)."""
+    if head[:4] == VERSIONED_MAGIC:
+        return True
+    if len(head) < LEGACY_HEADER_BYTES:
+        return False
+    values = struct.unpack_from("<7i", head, 0)
+    return all(0 < abs(value) <= HEADER_LIMITS[name] for name, value in zip(HEADER_FIELDS, values))
+
+
 def read_header(data: bytes, path: Path) -> Header:
-    if len(data) < 28:
+    if len(data) < LEGACY_HEADER_BYTES:
         raise UserError(f"{path} is too small to be a llama2.c checkpoint ({len(data)} bytes)")
     if data[:4] == VERSIONED_MAGIC:
         if len(data) < VERSIONED_HEADER_BYTES:
@@ -102,12 +122,12 @@ def expected_size(h: Header, plan) -> int:
         return VERSIONED_HEADER_BYTES + sum(
             4 * n if len(shape) == 1 else n + 4 * (n // h.group_size) for n, shape in ((int(np.prod(s)), s) for _, s in plan)
         )
-    start = VERSIONED_HEADER_BYTES if h.version == 1 else 28
+    start = VERSIONED_HEADER_BYTES if h.version == 1 else LEGACY_HEADER_BYTES
     return start + 4 * sum(int(np.prod(shape)) for _, shape in plan)
 
 
 def read_tensors(data: memoryview, h: Header, plan) -> dict[str, np.ndarray]:
-    offset = 28 if h.version == 0 else VERSIONED_HEADER_BYTES
+    offset = LEGACY_HEADER_BYTES if h.version == 0 else VERSIONED_HEADER_BYTES
     tensors = {}
     for name, shape in plan:
         n = int(np.prod(shape))

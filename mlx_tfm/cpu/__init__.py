@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from .kernels import kernels as loaded_kernels  # not `kernels`: that name is the subpackage
 from .linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 from .switch import generic_routes, on_cpu, routes_enabled
 
@@ -38,7 +39,10 @@ def _specialized(path: str, module: nn.Module) -> nn.Module:
 
 def specialize(model: nn.Module) -> nn.Module:
     """Swap the CPU-route layers in for the model's plain MLX linear and embedding layers
-    (exact types only: LoRA wrappers and other subclasses keep theirs). Returns ``model``."""
+    (exact types only: LoRA wrappers and other subclasses keep theirs). Returns ``model``.
+    A bad ``MLX_TFM_KERNELS_ISA`` is a UserError here, as the model is loaded, rather than
+    at its first product."""
+    loaded_kernels()
     leaves = tree_map_with_path(_specialized, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
     return model

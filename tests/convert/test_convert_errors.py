@@ -171,6 +171,33 @@ def test_llama2c_without_tokenizer(tmp_path, stories_bin_copy, capsys):
     assert "expected tokenizer.model or tok512.model" in err
 
 
+NOT_A_MODEL = "is not a model file mlx_tfm can read: not a folder, GGUF, safetensors or llama2.c checkpoint"
+
+
+@pytest.mark.parametrize("content", [
+    b"Notes for Monday:\n- buy milk\n- call the plumber about the sink\n",  # text: every field out of range
+    b"a\nb\n",  # shorter than any header
+    bytes(64),  # zeros: no field in range
+    b"PK\x03\x04" + bytes(60),  # a zip (its first field 67 million)
+], ids=["text", "short", "zeros", "zip"])
+def test_a_file_of_no_known_format_is_one_line(tmp_path, content, capsys):
+    """No llama2.c header is printed for a file that cannot hold one (it has no magic)."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    err = convert_error(capsys, "--hf-path", path, "--mlx-path", tmp_path / "out")
+    assert err == f"error: {path} {NOT_A_MODEL}"
+    assert_no_output(tmp_path / "out")
+
+
+def test_generate_with_a_text_file_as_model(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("Notes for Monday:\n- buy milk\n- call the plumber about the sink\n")
+    result = subprocess.run([sys.executable, "-m", "mlx_tfm", "generate", "--model", str(path), "-p", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == f"error: {path} {NOT_A_MODEL}\n"
+
+
 @pytest.fixture
 def stories_gguf(tmp_path, stories_dir, stories_hf):
     tensors, config = stories_llama2c_tensors(stories_hf)

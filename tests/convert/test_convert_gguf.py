@@ -33,6 +33,7 @@ from fixtures.convert_helpers import (
 
 import mlx_tfm
 from mlx_tfm.convert.converter import convert
+from mlx_tfm.convert.gguf_file import GGUF_ARCHITECTURES, gguf_name, hf_name
 from mlx_tfm.loading import load_model
 
 QUIET = dict(log=lambda *_: None)
@@ -140,6 +141,40 @@ def test_block_mapping_is_exact(kind, magnitude):
     bits = 8 if kind == "Q8_0" else 4
     ours = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits)
     np.testing.assert_array_equal(np.array(ours), gguf.quants.dequantize(blocks, qtype))
+
+
+# -- tensor names: one table, read both ways ---------------------------------------------------
+
+
+def llama_cpp_tensor_names(arch: str) -> list[str]:
+    """Every tensor name llama.cpp's tables (the gguf package's) give an architecture, for
+    layer 1 and expert 2, as weight and as bias."""
+    import gguf
+
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    templates = [gguf.TENSOR_NAMES[tensor] for tensor in gguf.MODEL_TENSORS[model_arch]]
+    return [f"{t.format(bid=1, xid=2)}.{kind}" for t in templates for kind in ("weight", "bias")]
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCHITECTURES))
+def test_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
+    """Writing (gguf_name) undoes reading (hf_name) for every tensor llama.cpp names, and
+    gives the name gguf's own TensorNameMap gives the Hugging Face name (where it has it)."""
+    import gguf
+
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    theirs = gguf.get_tensor_name_map(model_arch, 4)
+    ours = {name: hf_name(name, arch) for name in llama_cpp_tensor_names(arch)}
+    read = {name: hf for name, hf in ours.items() if hf != name}  # the tensors we read
+    assert len(read) >= 20
+    for name, hf in read.items():
+        assert gguf_name(hf, arch) == name
+        assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
+
+
+def test_gguf_name_of_a_tensor_llama_cpp_has_no_name_for():
+    with pytest.raises(ValueError, match="model.layers.0.mlp.c_fc.weight has no GGUF name in llama.cpp's llama"):
+        gguf_name("model.layers.0.mlp.c_fc.weight", "llama")
 
 
 # -- families as llama.cpp's converter writes them ------------------------------------------
@@ -364,12 +399,15 @@ def test_pre_tokenizer_splits_as_llama_cpp(pre, bpe_across_boundaries, shakespea
     assert ours.encode(text).ids == reference.encode(text).ids
 
 
-def test_pre_tokenizer_types_tell_apart_on_the_text(bpe_across_boundaries):
-    """The check above can fail: on this text and vocabulary every llama.cpp type splits
-    into different ids, so a name mapped to the wrong type would show."""
-    ids = {kind: tuple(llama_cpp_split_tokenizer(bpe_across_boundaries, regexes).encode(SPLIT_TEXT).ids)
-           for kind, regexes in LLAMA_CPP_SPLITS.items()}
-    assert len(set(ids.values())) == len(ids)
+def test_pre_tokenizer_types_tell_apart_on_the_text(bpe_across_boundaries, tmp_path):
+    """The check above can fail: on this text and vocabulary each name's ids differ from
+    those of every llama.cpp type but its own, so a name mapped to the wrong type would show."""
+    references = {kind: llama_cpp_split_tokenizer(bpe_across_boundaries, regexes).encode(SPLIT_TEXT).ids
+                  for kind, regexes in LLAMA_CPP_SPLITS.items()}
+    for pre, own_kind in LLAMA_CPP_PRE_TYPES.items():
+        ours = our_gguf_tokenizer(bpe_across_boundaries, pre, tmp_path).encode(SPLIT_TEXT).ids
+        wrong = [kind for kind, ids in references.items() if kind != own_kind and ids == ours]
+        assert not wrong, f"{pre} splits as {wrong} too"
 
 
 def test_smollm_gguf_tokenizes_as_smollm(tmp_path, bpe, shakespeare):
@@ -607,8 +645,8 @@ def test_moe_gguf_quantized_experts_stay_exact(name, kind, one_per_expert, tmp_p
     ours = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
     experts = dequantized_experts(tmp_path / "model.gguf")
     assert len(experts) == 3 * hf.config.num_hidden_layers
-    for gguf_name, reference in experts.items():
-        layer, projection = gguf_name.split(".")[1], OUR_EXPERTS[gguf_name.split(".")[2]]
+    for llama_cpp_name, reference in experts.items():
+        layer, projection = llama_cpp_name.split(".")[1], OUR_EXPERTS[llama_cpp_name.split(".")[2]]
         base = f"model.layers.{layer}.{block}.switch_mlp.{projection}"
         dequantized = mx.dequantize(ours[f"{base}.weight"], ours[f"{base}.scales"], ours[f"{base}.biases"],
                                     group_size=32, bits=bits)

@@ -329,14 +329,34 @@ def test_attention_gradients_are_mlx_s(masked):
 # -- the kernels inside MLX graphs ---------------------------------------------------------
 
 
+def dequantized_float64(weight, scales, biases, group_size: int, bits: int) -> np.ndarray:
+    """MLX's affine layout decoded in numpy, apart from MLX: value j of a row in bits
+    j*bits.. of its little-endian uint32 words, times its group's scale, plus its bias."""
+    words = np.array(weight).astype(np.uint64)  # (n, k * bits / 32)
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint64) * bits)[None, None, :]
+    q = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)  # (n, k)
+    groups = lambda a: np.repeat(np.array(a.astype(mx.float32), dtype=np.float64), group_size, axis=1)  # noqa: E731
+    return q * groups(scales) + groups(biases)
+
+
 def test_kernels_compose_lazily_with_mlx_ops():
     weight, scales, biases = quantized(64, 64, 32, 4)
-    x = random((1, 64))
+    x, w = random((1, 64)), random((10, 64))
     # y feeds the next product: the graph runs in order on the CPU stream.
     y = K.quantized_matvec(mx.tanh(x), weight, scales, biases, group_size=32, bits=4)
-    z = K.matvec(y * 2, random((10, 64)))
+    z = K.matvec(y * 2, w)
     mx.eval(z)
-    assert z.shape == (1, 10) and np.isfinite(np.array(z)).all()
+    # In float64, from the weights decoded apart from MLX. Bounds: float32 rounding of a
+    # 64-term sum (4 * 64 units of 2^-24 of the sum of |terms|) plus tanh's own (4 units),
+    # then y's error through the second product, plus that product's rounding.
+    t, w64 = np.tanh(np.array(x, dtype=np.float64)), np.array(w, dtype=np.float64)
+    w_q = dequantized_float64(weight, scales, biases, 32, 4)
+    y_ref, z_ref = t @ w_q.T, 2 * (t @ w_q.T) @ w64.T
+    y_bound = (4 * 64 + 4) * 2.0**-24 * (np.abs(t) @ np.abs(w_q).T)
+    z_bound = 2 * y_bound @ np.abs(w64).T + 4 * 64 * 2.0**-24 * (np.abs(2 * y_ref) @ np.abs(w64).T)
+    assert (np.abs(np.array(y) - y_ref) <= y_bound).all()
+    assert (np.abs(np.array(z) - z_ref) <= z_bound).all()
 
 
 def test_matvec_gradient_is_mlx_s():
@@ -683,15 +703,70 @@ print(json.dumps({"isa": K.isa(), "errors": errors}))
 """
 
 
-@pytest.mark.parametrize("cap", ["", "avx2", "generic"])
+# What each instruction set needs of the CPU, read from /proc/cpuinfo (the kernels are built
+# on Linux only), apart from the extension's own detection; best first.
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"},
+             "generic": set()}
+ISA_LACKS = {"avx512": "AVX-512 F/BW/VL/DQ", "avx2": "AVX2/FMA/F16C"}
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return {flag for line in f if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()}
+
+
+CPU_RUNS = [isa for isa, needs in ISA_NEEDS.items() if needs <= cpu_flags()]
+
+
+@pytest.mark.parametrize("cap", ["", *CPU_RUNS])
 def test_every_instruction_set_gives_mlx_s_numbers(cap):
     env = {**os.environ, "MLX_TFM_KERNELS_ISA": cap, "MLX_TFM_KERNELS_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", ISA_CHECK], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    if cap:
-        assert report["isa"] in (cap, "generic")
+    assert report["isa"] == (cap or CPU_RUNS[0])  # the set asked for, or the best, never another
     assert all(error < 1e-3 for error in report["errors"].values()), report
+
+
+def mlx_tfm_with_isa(isa: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLX_TFM_KERNELS": "1", "MLX_TFM_KERNELS_ISA": isa}
+    return subprocess.run([sys.executable, "-m", "mlx_tfm", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("isa", ISA_NEEDS)
+def test_info_runs_the_set_asked_for_or_says_the_cpu_lacks_it(isa):
+    """avx512 once gave AVX2 without a word; now it gives AVX-512 or fails in one line."""
+    done = mlx_tfm_with_isa(isa, "info")
+    if isa in CPU_RUNS:
+        assert done.returncode == 0, done.stderr
+        assert f"cpu kernels     in use ({isa}, " in done.stdout
+    else:
+        assert done.returncode == 1
+        runs = ", ".join(CPU_RUNS)
+        assert done.stderr == f"error: MLX_TFM_KERNELS_ISA={isa}: this CPU lacks {ISA_LACKS[isa]} (it runs {runs})\n"
+
+
+UNKNOWN_ISA = ("error: MLX_TFM_KERNELS_ISA={} is not an instruction set mlx_tfm's kernels know: use avx512, avx2 "
+               "or generic, or leave it unset for the best this CPU runs\n")
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "--model", "{stories}", "-p", "hi", "-m", "2"]])
+@pytest.mark.parametrize("isa", ["avx3", "AVX2", "neon"])
+def test_an_unknown_instruction_set_is_one_line(isa, command, stories_hf):
+    done = mlx_tfm_with_isa(isa, *(arg.format(stories=stories_hf) for arg in command))
+    assert done.returncode == 1
+    assert done.stderr == UNKNOWN_ISA.format(isa)
+    assert "Traceback" not in done.stdout
+
+
+def test_the_extension_refuses_ops_under_a_bad_request():
+    """Used directly, the extension raises as an op is made (never a fallback when it runs)."""
+    code = "import mlx_tfm, mlx.core as mx; from mlx_tfm.cpu.kernels import _kernels as K; K.matvec(mx.ones((1, 4)), mx.ones((2, 4)))"
+    env = {**os.environ, "MLX_TFM_KERNELS_ISA": "avx3"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "ValueError: " + UNKNOWN_ISA.format("avx3")[len("error: "):].strip()
 
 
 # -- the switch and what `mlx-tfm info` says -----------------------------------------------
@@ -720,6 +795,20 @@ def test_kernels_built_for_another_mlx_are_not_used(monkeypatch):
         kernels_package._load.cache_clear()
 
 
+def test_kernels_built_from_older_sources_are_not_used(monkeypatch):
+    """A library from before the ISA switch's checks lacks what this module calls."""
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")
+    monkeypatch.setattr(K, "interface", 1)
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert kernels_package.status() == ("not in use: built from older sources: pure MLX routes; "
+                                            "`pip install -e .` rebuilds them")
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
 def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
     monkeypatch.setenv("MLX_TFM_KERNELS", "1")
     real_find_spec = kernels_package.importlib.util.find_spec
@@ -729,6 +818,22 @@ def test_kernels_not_built_are_not_used_and_info_says_so(monkeypatch):
     try:
         assert kernels_package.kernels() is None
         assert kernels_package.status().startswith("not built: pure MLX routes; `pip install -e .`")
+    finally:
+        monkeypatch.undo()
+        kernels_package._load.cache_clear()
+
+
+def test_on_macos_info_says_the_kernels_are_not_built_there(monkeypatch):
+    """setup.py builds them on Linux only: on macOS the message says why, not how to build."""
+    monkeypatch.setenv("MLX_TFM_KERNELS", "1")
+    real_find_spec = kernels_package.importlib.util.find_spec
+    monkeypatch.setattr(kernels_package.importlib.util, "find_spec",
+                        lambda name, *args: None if name.endswith("._kernels") else real_find_spec(name, *args))
+    monkeypatch.setattr(kernels_package.sys, "platform", "darwin")
+    kernels_package._load.cache_clear()
+    try:
+        assert kernels_package.kernels() is None
+        assert kernels_package.status() == "not built on macOS (MLX runs on Metal there): pure MLX routes on its CPU"
     finally:
         monkeypatch.undo()
         kernels_package._load.cache_clear()

@@ -13,12 +13,15 @@ chunk, an encoder's padded rows); and the pointwise ops MLX runs as chains of sc
 Each is a lazy MLX operation (a ``Primitive`` with ``eval_cpu``; gradients through MLX's
 own ops) that splits its work over a pool of one thread per core where it is large enough
 and uses the widest SIMD the CPU has (AVX-512, AVX2, else portable loops the compiler
-vectorizes, NEON on arm64), chosen at run time.
+vectorizes, NEON on arm64), chosen at run time; ``MLX_TFM_KERNELS_ISA=avx512|avx2|generic``
+picks one (for tests and comparisons), and a name it does not know or a set the CPU lacks
+is a ``UserError`` (one line, a non-zero exit), never a quiet fallback to another set.
 
 ``kernels()`` is the module, or None when it is switched off (``MLX_TFM_KERNELS=0``), was
 not built, fails to import, or was built against another mlx than the one installed (its
 primitives would not match libmlx); ``status()`` says which and why (``mlx-tfm info``).
 Whoever calls them falls back to the pure MLX routes then, and on Metal or CUDA always.
+The kernels are built on Linux only: on macOS MLX runs on Metal and never calls them.
 """
 
 from __future__ import annotations
@@ -26,39 +29,61 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 import mlx.core as mx
 
+from ...errors import UserError
+
 ENV_VAR = "MLX_TFM_KERNELS"
+ISA_VAR = "MLX_TFM_KERNELS_ISA"
+# The functions of the extension this module calls, by version (bindings.cpp's ``interface``;
+# builds from before it had none: version 1).
+INTERFACE = 2
+
+
+def _loaded() -> tuple[ModuleType | None, str]:
+    """The extension and a one-line account of it; UserError when ``MLX_TFM_KERNELS_ISA``
+    names a set the kernels do not know or this CPU lacks."""
+    module, account, refusal = _load()
+    if refusal:
+        raise UserError(refusal)
+    return module, account
 
 
 @functools.cache
-def _load() -> tuple[ModuleType | None, str]:
-    """The extension and a one-line account of it."""
+def _load() -> tuple[ModuleType | None, str, str]:
+    """(the extension or None, the account of it, why it must not run or '')."""
     if os.environ.get(ENV_VAR, "1") == "0":
-        return None, f"off ({ENV_VAR}=0): pure MLX routes"
+        return None, f"off ({ENV_VAR}=0): pure MLX routes", ""
     if importlib.util.find_spec(f"{__name__}._kernels") is None:
-        return None, "not built: pure MLX routes; `pip install -e .` with a C++ compiler and CMake builds them"
+        if sys.platform == "darwin":
+            return None, "not built on macOS (MLX runs on Metal there): pure MLX routes on its CPU", ""
+        return None, "not built: pure MLX routes; `pip install -e .` with a C++ compiler and CMake builds them", ""
     try:
         from . import _kernels
     except ImportError as error:  # e.g. libmlx changed under it
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return None, f"not in use ({first_line}): pure MLX routes; `pip install -e .` rebuilds them"
+        return None, f"not in use ({first_line}): pure MLX routes; `pip install -e .` rebuilds them", ""
     if _kernels.built_with_mlx != mx.__version__:
         return None, (f"not in use: built against mlx {_kernels.built_with_mlx}, mlx {mx.__version__} is installed: "
-                      "pure MLX routes; `pip install -e .` rebuilds them")
-    return _kernels, f"in use ({_kernels.isa()}, {_kernels.threads()} threads)"
+                      "pure MLX routes; `pip install -e .` rebuilds them"), ""
+    if getattr(_kernels, "interface", 1) != INTERFACE:
+        return None, "not in use: built from older sources: pure MLX routes; `pip install -e .` rebuilds them", ""
+    if _kernels.isa_request_error():
+        return None, "", _kernels.isa_request_error()
+    return _kernels, f"in use ({_kernels.isa()}, {_kernels.threads()} threads)", ""
 
 
 def kernels() -> ModuleType | None:
     """The kernels module, or None where the pure MLX routes must run (see ``status``)."""
-    return _load()[0]
+    return _loaded()[0]
 
 
 def status() -> str:
     """Whether the kernels are in use, and why not when they are not."""
-    return _load()[1]
+    return _loaded()[1]
 
 
-__all__ = ["kernels", "status", "ENV_VAR"]
+__all__ = ["kernels", "status", "ENV_VAR", "ISA_VAR"]

@@ -1,34 +1,105 @@
-// Picks the instruction set at run time from what the CPU reports.
+// Picks the instruction set at run time from what the CPU reports, or the one
+// MLX_TFM_KERNELS_ISA names; a name it does not know, or a set this CPU lacks, is an error
+// the caller sees (isa_request_error), never a quiet fallback to another set.
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
+#include "isa.h"
 #include "kernels.h"
 
 namespace mlx_tfm_kernels {
 
 namespace {
 
-const Kernels& detect() {
-  const char* cap = std::getenv("MLX_TFM_KERNELS_ISA");
-  const std::string limit = cap ? cap : "";
+constexpr const char* ISA_VARIABLE = "MLX_TFM_KERNELS_ISA";
+// Every name the switch takes, on any platform, best first.
+constexpr const char* KNOWN_ISAS[] = {"avx512", "avx2", "generic"};
+
+struct InstructionSet {
+  const char* name;
+  const char* description;  // for the message when the CPU lacks it
+  bool (*cpu_runs)();
+  const Kernels& (*kernels)();
+};
+
 #if defined(__x86_64__)
+bool cpu_runs_avx512() {
   __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (avx512 && limit.empty()) return avx512::kernels();
-  if (avx2 && limit != "generic") return avx2::kernels();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+bool cpu_runs_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #endif
-  return generic::kernels();
+
+bool every_cpu_runs() { return true; }
+
+// The sets this build holds, best first.
+const InstructionSet BUILT[] = {
+#if defined(__x86_64__)
+    {"avx512", "AVX-512 F/BW/VL/DQ", cpu_runs_avx512, avx512::kernels},
+    {"avx2", "AVX2/FMA/F16C", cpu_runs_avx2, avx2::kernels},
+#endif
+    {"generic", "portable loops", every_cpu_runs, generic::kernels},
+};
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string text;
+  for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+
+struct Choice {
+  const Kernels* kernels;
+  std::string error;  // empty when the request is one this CPU runs
+};
+
+Choice choose(const std::string& requested) {
+  const std::vector<std::string> runnable = runnable_isas();
+  const InstructionSet* best = nullptr;
+  for (const InstructionSet& set : BUILT)
+    if (!best && set.cpu_runs()) best = &set;
+  if (requested.empty()) return {&best->kernels(), ""};
+  for (const InstructionSet& set : BUILT)
+    if (requested == set.name && set.cpu_runs()) return {&set.kernels(), ""};
+  const std::string asked = std::string(ISA_VARIABLE) + "=" + requested;
+  if (std::find(std::begin(KNOWN_ISAS), std::end(KNOWN_ISAS), requested) == std::end(KNOWN_ISAS)) {
+    return {&best->kernels(), asked + " is not an instruction set mlx_tfm's kernels know: use avx512, avx2 or "
+                              "generic, or leave it unset for the best this CPU runs"};
+  }
+  std::string what = requested;
+  for (const InstructionSet& set : BUILT)
+    if (requested == set.name) what = set.description;
+  return {&best->kernels(), asked + ": this CPU lacks " + what + " (it runs " + joined(runnable) + ")"};
+}
+
+const Choice& choice() {
+  static const Choice chosen = [] {
+    const char* requested = std::getenv(ISA_VARIABLE);
+    return choose(requested ? requested : "");
+  }();
+  return chosen;
 }
 
 }  // namespace
 
+std::vector<std::string> runnable_isas() {
+  std::vector<std::string> names;
+  for (const InstructionSet& set : BUILT)
+    if (set.cpu_runs()) names.push_back(set.name);
+  return names;
+}
+
+const std::string& isa_request_error() { return choice().error; }
+
 const Kernels& best_kernels() {
-  static const Kernels& chosen = detect();
-  return chosen;
+  if (!choice().error.empty()) throw std::invalid_argument(choice().error);
+  return *choice().kernels;
 }
 
 void arrange_for_nibbles(const float* x, float* out, int64_t m, int64_t k, int lanes) {

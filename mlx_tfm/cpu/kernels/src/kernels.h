@@ -1,5 +1,5 @@
 // The products the kernels compute, described as plain pointers and sizes, and the entry
-// points each instruction set provides (kernels_impl.h, compiled once per set).
+// points each instruction set provides (kernels_body.inc, compiled once per set).
 #pragma once
 
 #include <cstdint>
@@ -87,7 +87,9 @@ namespace avx512 { const Kernels& kernels(); }
 namespace avx2 { const Kernels& kernels(); }
 namespace generic { const Kernels& kernels(); }
 
-// The best set this CPU runs (MLX_TFM_KERNELS_ISA=avx2|generic caps it, for tests).
+// The set in use: the best this CPU runs, or the one MLX_TFM_KERNELS_ISA names (avx512,
+// avx2 or generic). Throws std::invalid_argument (isa.h's isa_request_error) when that
+// names a set unknown or one this CPU lacks.
 const Kernels& best_kernels();
 
 // The products compute up to this many positions (rows of x) per pass over the weights.

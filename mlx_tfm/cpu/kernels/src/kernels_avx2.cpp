@@ -3,5 +3,5 @@
 #define MLX_TFM_ISA_AVX2
 #define ISA_NAMESPACE avx2
 #define ISA_LABEL "avx2"
-#include "kernels_impl.h"
+#include "kernels_body.inc"
 #endif

@@ -3,5 +3,5 @@
 #define MLX_TFM_ISA_AVX512
 #define ISA_NAMESPACE avx512
 #define ISA_LABEL "avx512"
-#include "kernels_impl.h"
+#include "kernels_body.inc"
 #endif

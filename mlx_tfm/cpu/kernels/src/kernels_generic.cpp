@@ -2,4 +2,4 @@
 // (NEON on arm64, SSE2 on x86-64).
 #define ISA_NAMESPACE generic
 #define ISA_LABEL "generic"
-#include "kernels_impl.h"
+#include "kernels_body.inc"

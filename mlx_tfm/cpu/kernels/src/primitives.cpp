@@ -462,6 +462,7 @@ mx::Stream cpu_stream(mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("mlx_tfm kernels run on the CPU only");
+  best_kernels();  // a bad MLX_TFM_KERNELS_ISA throws here, as the op is made, not when it runs
   return stream;
 }
 

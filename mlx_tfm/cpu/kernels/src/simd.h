@@ -1,5 +1,5 @@
 // One float vector type per instruction set, with the few operations the kernels need.
-// kernels_impl.h is compiled once per instruction set (kernels_avx512.cpp, kernels_avx2.cpp,
+// kernels_body.inc is compiled once per instruction set (kernels_avx512.cpp, kernels_avx2.cpp,
 // kernels_generic.cpp), each with its own compiler flags and ISA_NAMESPACE (so the three
 // vector types never meet at link time); dispatch.cpp picks one at run time.
 #pragma once

@@ -14,7 +14,7 @@ Throughput is taken from the reports after the first (which include compilation)
 numbers come from its own training callback (mlx-lm counts one more target per sequence
 than there are, about 1.5% on wikisql; left as it reports it).
 
-    python examples/benchmark_lora.py --iters 30 --repeats 2
+    python examples/benchmarks/benchmark_lora.py --iters 30 --repeats 2
 """
 
 from __future__ import annotations
@@ -27,64 +27,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+from models import CHECKOUT, DATA, LLAMA_135M, random_weights, write_bpe_tokenizer, write_model
 
-ROOT = Path(__file__).resolve().parents[1]
-WIKISQL = ROOT.parent / "shared" / "data" / "wikisql"
+WIKISQL = DATA / "wikisql"
 REPORT = re.compile(r"Iter (\d+): Train loss [\d.]+, .*?Tokens/sec ([\d.]+).*?Peak mem ([\d.]+) GB")
 
 
-def train_tokenizer(folder: Path, data: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=LLAMA_135M["vocab_size"],
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "model_max_length": 2048,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return tokenizer.get_vocab_size()
-
-
-def write_model(folder: Path, seed: int = 0) -> int:
-    """Random weights (normal, std 0.02; norms 1) in Hugging Face names, float32."""
-    import mlx_tfm  # noqa: F401  (BLAS routing before MLX)
-    import mlx.core as mx
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(folder, WIKISQL)
-    mx.random.seed(seed)
-    D, F, H, KV = LLAMA_135M["hidden_size"], LLAMA_135M["intermediate_size"], LLAMA_135M["num_attention_heads"], LLAMA_135M["num_key_value_heads"]
-    head_dim = D // H
-    shapes = {
-        "self_attn.q_proj.weight": (H * head_dim, D),
-        "self_attn.k_proj.weight": (KV * head_dim, D),
-        "self_attn.v_proj.weight": (KV * head_dim, D),
-        "self_attn.o_proj.weight": (D, H * head_dim),
-        "mlp.gate_proj.weight": (F, D),
-        "mlp.up_proj.weight": (F, D),
-        "mlp.down_proj.weight": (D, F),
-    }
-    weights = {"model.embed_tokens.weight": 0.02 * mx.random.normal((LLAMA_135M["vocab_size"], D)), "model.norm.weight": mx.ones((D,))}
-    for i in range(LLAMA_135M["num_hidden_layers"]):
-        for name, shape in shapes.items():
-            weights[f"model.layers.{i}.{name}"] = 0.02 * mx.random.normal(shape)
-        weights[f"model.layers.{i}.input_layernorm.weight"] = mx.ones((D,))
-        weights[f"model.layers.{i}.post_attention_layernorm.weight"] = mx.ones((D,))
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({**LLAMA_135M, "bos_token_id": 0, "eos_token_id": 0}, indent=2))
+def write_model_folder(folder: Path, seed: int = 0) -> int:
+    """Random weights (normal, std 0.02; norms 1) in Hugging Face names, float32, and the
+    tokenizer trained on wikisql; returns the tokenizer's vocabulary size."""
+    texts = [json.loads(line)["text"] for line in (WIKISQL / "train.jsonl").read_text().splitlines()]
+    vocab = write_bpe_tokenizer(folder, texts, LLAMA_135M["vocab_size"],
+                                ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    write_model(folder, LLAMA_135M, random_weights(LLAMA_135M, seed), None, tensor_format="pt")
     return vocab
 
 
@@ -123,7 +78,7 @@ lora.main()
 def run(name: str, command: list[str]) -> dict:
     shown = ["python", "-c", "<mlx_lm.lora with a reporting callback>"] if command[1] == "-c" else ["python", *command[1:]]
     print(f"$ {' '.join(shown[:3] + command[3:] if command[1] == '-c' else shown)}", flush=True)
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=CHECKOUT)
     if result.returncode != 0:
         sys.exit(f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     reports = [(int(i), float(t), float(m)) for i, t, m in REPORT.findall(result.stdout)]
@@ -146,7 +101,7 @@ def main() -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-lora-"))
     model = work / "smol-135m-shape"
     if not (model / "model.safetensors").is_file():
-        vocab = write_model(model)
+        vocab = write_model_folder(model)
         print(f"wrote {model} (tokenizer vocabulary {vocab}, model vocabulary {LLAMA_135M['vocab_size']})")
     ours_runs, theirs_runs = [], []
     for _ in range(args.repeats):  # alternate, so both see the same spells of machine load

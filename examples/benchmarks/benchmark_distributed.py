@@ -16,7 +16,7 @@ On a machine with two cores shared with other jobs, two ranks split the same cor
 single process already uses, so this shows what the split costs more than what it gains;
 README "More than one machine" estimates the gain between Macs.
 
-    python examples/benchmark_distributed.py --iters 20 --repeats 2
+    python examples/benchmarks/benchmark_distributed.py --iters 20 --repeats 2
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+from models import DATA, STORIES_HF, random_weights, write_model
+
 CONFIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 1024,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
@@ -42,21 +42,9 @@ REPORT = re.compile(r"Iter (\d+): Train loss [\d.]+, .*?Tokens/sec ([\d.]+)")
 STATS = re.compile(r"(Prompt|Generation): (\d+) tokens, ([\d.]+) tokens-per-sec")
 
 
-def write_model(folder: Path) -> None:
-    import mlx_tfm  # noqa: F401  (BLAS routing first)
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from mlx_tfm.model.transformer import Model
-    from mlx_tfm.model.config import ModelArgs
-
-    folder.mkdir(parents=True)
-    mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(CONFIG))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        (folder / name).write_bytes((DATA / "stories260K-hf" / name).read_bytes())
+def write_model_folder(folder: Path) -> None:
+    """The random model (as initialised) with stories260K's tokenizer, float32."""
+    write_model(folder, CONFIG, random_weights(CONFIG, scale=None), STORIES_HF)
 
 
 def free_first_port(n: int) -> int:
@@ -116,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = folder / "model"
-        write_model(model)
+        write_model_folder(model)
         lora = {1: [], 2: []}
         generation = {None: [], "pipeline": [], "tensor-parallel": []}
         for _ in range(args.repeats):

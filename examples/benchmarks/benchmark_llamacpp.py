@@ -2,9 +2,9 @@
 token ids, the same number of threads, one run.
 
     pip install -e '.[benchmark]'            # mlx-lm and llama-cpp-python (built from source)
-    python examples/benchmark_llamacpp.py    # ~10 minutes on 2 cores
+    python examples/benchmarks/benchmark_llamacpp.py    # ~10 minutes on 2 cores
 
-Models: SmolLM2-135M's shape (examples/llama135m.py), random weights, written once under
+Models: SmolLM2-135M's shape (models.py), random weights, written once under
 ``--folder``: an MLX/Hugging Face folder in float32, and 8-bit and 4-bit ones quantized from
 it (group 64, float32 scales); GGUF files of the same weights written with the ``gguf``
 package (F32), and Q8_0 and Q4_0 made from that by llama.cpp's own quantizer
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+from models import LLAMA_135M, random_weights, write_model, write_word_tokenizer
 
 FORMATS = ("float32", "8bit", "4bit")
 GGUF_TYPES = {"float32": "F32", "8bit": "Q8_0", "4bit": "Q4_0"}
@@ -56,47 +56,12 @@ def cores() -> int:
 
 
 def write_hf_folders(root: Path) -> None:
-    """float32, 8-bit and 4-bit MLX folders (config.json, model.safetensors) of one random model."""
-    import mlx_tfm  # noqa: F401  (BLAS routing)
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    from mlx_tfm.model.transformer import Model
-    from mlx_tfm.model.config import ModelArgs
-
-    mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(LLAMA_135M))
-    weights = {name: value if name.endswith("norm.weight") else 0.02 * mx.random.normal(value.shape)
-               for name, value in tree_flatten(model.parameters())}
+    """float32, 8-bit and 4-bit MLX folders (config.json, model.safetensors) of one random
+    model, with a word-level tokenizer covering the vocabulary (ids are given, never text)."""
+    write_word_tokenizer(root / "tokenizer", LLAMA_135M["vocab_size"])
+    weights = random_weights(LLAMA_135M)
     for fmt in FORMATS:
-        folder = root / fmt
-        folder.mkdir(parents=True, exist_ok=True)
-        config = dict(LLAMA_135M)
-        model.load_weights(list(weights.items()))
-        if fmt != "float32":
-            bits = 8 if fmt == "8bit" else 4
-            nn.quantize(model, group_size=64, bits=bits)
-            config["quantization"] = {"group_size": 64, "bits": bits}
-        tensors = dict(tree_flatten(model.parameters()))
-        mx.eval(tensors)
-        mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "mlx"})
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
-        write_tokenizer(folder)
-        model = Model(ModelArgs.from_dict(LLAMA_135M))
-
-
-def write_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer.json covering the vocabulary (ids are given, never text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, LLAMA_135M["vocab_size"])}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-              "eos_token": "<|endoftext|>", "model_max_length": 2048}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        write_model(root / fmt, LLAMA_135M, weights, root / "tokenizer", fmt)
 
 
 def interleaved_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -105,32 +70,12 @@ def interleaved_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def gguf_name(name: str) -> str:
-    if name in GGUF_NAMES:
-        return GGUF_NAMES[name]
-    _, _, layer, rest = name.split(".", 3)  # model.layers.{i}.rest
-    return f"blk.{layer}.{GGUF_NAMES[rest]}"
-
-
 def write_gguf_f32(safetensors: Path, path: Path) -> None:
     """The float32 folder as a llama.cpp GGUF (F32), with a placeholder SentencePiece vocab."""
     import gguf
     from safetensors.numpy import load_file
+
+    from mlx_tfm.convert.gguf_file import gguf_name
 
     c = LLAMA_135M
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -289,8 +234,6 @@ def run_llama_cpp(path: Path, prompt: list[int], max_tokens: int, threads: int) 
 
 def run_mlx(engine: str, folder: Path, prompt: list[int], max_tokens: int) -> dict:
     import mlx_tfm  # noqa: F401  (BLAS routing, for mlx-lm too)
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from stream_timing import time_stream
 
     import mlx_tfm.generation.step

@@ -2,11 +2,11 @@
 mlx-lm's BatchGenerator and `mlx_lm.server`, same models, prompts, BLAS and machine.
 
     pip install -e '.[benchmark,server]'     # mlx-lm, httpx, the server's packages
-    python examples/benchmark_server.py      # engine and HTTP, float32 and 4-bit, 1/4/16 clients
-    python examples/benchmark_server.py --part engine --clients 1,16
-    python examples/benchmark_server.py --part soak --seconds 60
+    python examples/benchmarks/benchmark_server.py      # engine and HTTP, float32 and 4-bit, 1/4/16 clients
+    python examples/benchmarks/benchmark_server.py --part engine --clients 1,16
+    python examples/benchmarks/benchmark_server.py --part soak --seconds 60
 
-Models: the 135M Llama shape (examples/llama135m.py; random weights) in float32 and 4-bit
+Models: the 135M Llama shape (models.py; random weights) in float32 and 4-bit
 (group 64, float32 scales), written once under ``--folder`` with a byte-level BPE tokenizer
 whose ids cover the whole 49152-token vocabulary (ids past the trained 4096 are added tokens
 ``<xN>``), so every generated token is text that streams. EOS is banned by a logit bias, so
@@ -48,8 +48,7 @@ from pathlib import Path
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 
-from benchmark_generate import SHARED, quantized, random_weights, write_folder, write_tokenizer
-from llama135m import LLAMA_135M
+from models import LLAMA_135M, SHAKESPEARE, random_weights, write_bpe_tokenizer, write_model
 
 BUILD_VERSION = ".built-server-v1"
 MODELS = ("llama135m-float32", "llama135m-4bit")
@@ -76,13 +75,11 @@ def build_models(root: Path) -> dict[str, Path]:
         return folders
     print(f"writing the benchmark models to {root} (once)...", flush=True)
     tokenizer_dir = root / "tokenizer"
-    tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(tokenizer_dir, (SHARED / "tinyshakespeare" / "input.txt").read_text())
+    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
     cover_the_vocabulary(tokenizer_dir, LLAMA_135M["vocab_size"])
     weights = random_weights(LLAMA_135M)
-    write_folder(folders["llama135m-float32"], {**LLAMA_135M, "torch_dtype": "float32"}, weights, tokenizer_dir)
-    q_config, q_weights = quantized({**LLAMA_135M, "torch_dtype": "float32"}, weights)
-    write_folder(folders["llama135m-4bit"], q_config, q_weights, tokenizer_dir)
+    write_model(folders["llama135m-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
+    write_model(folders["llama135m-4bit"], LLAMA_135M, weights, tokenizer_dir, "4bit")
     (root / BUILD_VERSION).write_text("")
     return folders
 
@@ -92,7 +89,7 @@ def distinct_prompts(folder: Path, n: int, length: int) -> list[list[int]]:
     from mlx_tfm.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
-    ids = tokenizer.encode((SHARED / "tinyshakespeare" / "input.txt").read_text()[: 8 * length * (n + 1) * 4])
+    ids = tokenizer.encode(SHAKESPEARE.read_text()[: 8 * length * (n + 1) * 4])
     prompts = [ids[i * 2 * length : i * 2 * length + length] for i in range(n)]
     assert all(len(p) == length for p in prompts), "the text is too short for that many prompts"
     return prompts

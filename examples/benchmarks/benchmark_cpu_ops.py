@@ -1,10 +1,10 @@
 """The small operations of a decoding step on MLX's CPU backend, MLX's own against
 mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary,
 one query's attention over the cache and a 4-bit feed-forward product, for 1 and 16 rows
-of the 135M Llama shape (examples/llama135m.py); a prompt's causal attention (as many
+of the 135M Llama shape (models.py); a prompt's causal attention (as many
 queries as positions); and 16 rows through the 4-bit tied head.
 
-    python examples/benchmark_cpu_ops.py
+    python examples/benchmarks/benchmark_cpu_ops.py
 
 Each op runs ``--calls`` times on distinct inputs in one graph (an input plus a small
 offset, so no call reuses another's result and no value drifts into subnormals), minus
@@ -25,7 +25,7 @@ import numpy as np
 from mlx_tfm.cpu.kernels import kernels, status
 from mlx_tfm.model.layers import fused_rms_norm, gated_activation
 from mlx_tfm.model.positions import fused_rope
-from llama135m import LLAMA_135M
+from models import LLAMA_135M
 
 HIDDEN, FFN, VOCAB = LLAMA_135M["hidden_size"], LLAMA_135M["intermediate_size"], LLAMA_135M["vocab_size"]
 HEADS, KV_HEADS = LLAMA_135M["num_attention_heads"], LLAMA_135M["num_key_value_heads"]

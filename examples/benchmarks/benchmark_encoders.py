@@ -9,7 +9,7 @@
 Both models have random weights (the speed does not depend on them) and a WordPiece
 vocabulary made here; nothing is downloaded. Usage:
 
-    python examples/benchmark_encoders.py [--threads N] [--sentences 512] [--new-tokens 64]
+    python examples/benchmarks/benchmark_encoders.py [--threads N] [--sentences 512] [--new-tokens 64]
 """
 
 from __future__ import annotations

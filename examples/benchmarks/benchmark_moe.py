@@ -1,7 +1,7 @@
 """Mixture-of-experts decoding: mlx_tfm and mlx-lm side by side, same folders, prompt and machine.
 
-    pip install -e '.[benchmark]'     # mlx-lm
-    python examples/benchmark_moe.py  # several minutes on a 2-core CPU
+    pip install -e '.[benchmark]'                # mlx-lm
+    python examples/benchmarks/benchmark_moe.py  # several minutes on a 2-core CPU
 
 The model: a Mixtral-style MoE of SmolLM2-135M's shape (hidden 576, 16 layers, 9 heads, 3 KV
 heads, vocab 49152, tied embeddings) whose feed-forward is 8 experts of d_ff 1536, 2 active
@@ -9,7 +9,7 @@ per token; random weights (std 0.02). Written once in mlx-lm's layout, in float3
 4-bit (group 64, converted by ``mlx-tfm convert -q``: routers at 8 bits), and loaded by both
 libraries from the same folder.
 
-Timing as examples/benchmark_generate.py: the same token ids, EOS off, runs of the two
+Timing as benchmark_generate.py: the same token ids, EOS off, runs of the two
 libraries alternating (who goes first too), best of ``--repeats``; generation tok/s = (new
 tokens - 1) / time from the first to the last; peak memory = MLX's peak from just after
 loading (weights included).
@@ -23,15 +23,14 @@ for that token), from the routing of a decoding run, against the active-expert m
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from benchmark_generate import RUNNERS, SHARED, benchmark, prompt_ids, write_tokenizer  # examples/ is on sys.path
-from llama135m import LLAMA_135M
+from models import LLAMA_135M, SHAKESPEARE, prompt_ids, random_weights, write_bpe_tokenizer, write_model
+from stream_timing import RUNNERS, benchmark
 
 MOE_CONFIG = {
     **LLAMA_135M,
@@ -45,19 +44,14 @@ MOE_CONFIG = {
 BUILD_VERSION = ".built-moe-v1"
 
 
-def random_moe_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
-    """std 0.02 weights in mlx-lm's Mixtral layout (``block_sparse_moe.switch_mlp.*`` stacked)."""
-    from mlx_tfm.families import model_args_from_config
-    from mlx_tfm.model.transformer import Model
+def mlx_lm_mixtral_name(name: str) -> str:
+    """Our parameter name -> mlx-lm's Mixtral layout (``block_sparse_moe.switch_mlp.*`` stacked)."""
+    return name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.switch_mlp.", ".block_sparse_moe.switch_mlp.")
 
-    mx.random.seed(seed)
-    model = Model(model_args_from_config(config))
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        on_disk = name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.switch_mlp.", ".block_sparse_moe.switch_mlp.")
-        weights[on_disk] = value if name.endswith("norm.weight") else 0.02 * mx.random.normal(value.shape)
-        mx.eval(weights[on_disk])
-    return weights
+
+def random_moe_weights(config: dict, seed: int = 0) -> dict[str, mx.array]:
+    """std 0.02 weights in mlx-lm's Mixtral layout."""
+    return {mlx_lm_mixtral_name(name): value for name, value in random_weights(config, seed).items()}
 
 
 def build_models(root: Path) -> dict[str, Path]:
@@ -68,15 +62,10 @@ def build_models(root: Path) -> dict[str, Path]:
         return folders
     print(f"writing the benchmark models to {root} (once)...", flush=True)
     tokenizer_dir = root / "tokenizer"
-    tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(tokenizer_dir, (SHARED / "tinyshakespeare" / "input.txt").read_text())
-    folder = folders["moe-float32"]
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), random_moe_weights(MOE_CONFIG), metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps({**MOE_CONFIG, "torch_dtype": "float32"}, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
-    convert(folder, folders["moe-4bit"], quantize=True, q_group_size=64, q_bits=4, overwrite=True, log=lambda *_: None)
+    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
+    write_model(folders["moe-float32"], MOE_CONFIG, random_moe_weights(MOE_CONFIG), tokenizer_dir)
+    convert(folders["moe-float32"], folders["moe-4bit"], quantize=True, q_group_size=64, q_bits=4, overwrite=True,
+            log=lambda *_: None)
     (root / BUILD_VERSION).write_text("")
     return folders
 

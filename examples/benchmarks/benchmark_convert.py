@@ -2,7 +2,7 @@
 Face layout, float32 safetensors) to float16 and to 4-bit, with mlx_tfm and with
 mlx_lm.convert, each in its own process so peak memory is per run.
 
-    python examples/benchmark_convert.py [--workdir DIR] [--repeat N]
+    python examples/benchmarks/benchmark_convert.py [--workdir DIR] [--repeat N]
 
 Prints wall time (process start to exit, imports included), peak RSS of the converting
 process (from wait4's rusage) and output size, side by side.
@@ -11,7 +11,6 @@ process (from wait4's rusage) and output size, side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -20,50 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from llama135m import LLAMA_135M  # examples/ is on sys.path when a script here runs
+from models import LLAMA_135M, STORIES_HF, random_weights, write_model
 
 CONFIG = {**LLAMA_135M, "bos_token_id": 1, "eos_token_id": 2}
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    D, F, head_dim = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], D), "model.norm.weight": (D,)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (D, D),
-            p + "self_attn.k_proj.weight": (kv, D),
-            p + "self_attn.v_proj.weight": (kv, D),
-            p + "self_attn.o_proj.weight": (D, D),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
-        })
-    return shapes
 
 
 def build_source(folder: Path) -> int:
     """Random float32 weights in HF layout, plus a tokenizer (mlx_lm.convert needs one;
-    stories260K's SentencePiece model stands in)."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    tensors = {
-        name: (np.ones(shape, np.float32) if len(shape) == 1 else (rng.standard_normal(shape, np.float32) * 0.02))
-        for name, shape in llama_shapes(CONFIG).items()
-    }
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(SHARED_DATA / "stories260K-hf" / name, folder / name)
-    return sum(t.size for t in tensors.values())
+    stories260K's SentencePiece model stands in). Returns the number of parameters."""
+    weights = random_weights(CONFIG)
+    write_model(folder, CONFIG, weights, STORIES_HF, tensor_format="pt")
+    return sum(value.size for value in weights.values())
 
 
 def measure(command: list[str]) -> tuple[float, float]:

@@ -1,9 +1,9 @@
 """Speculative decoding and the quantized KV cache: mlx_tfm and mlx-lm in one run.
 
     pip install -e '.[benchmark]'              # mlx-lm
-    python examples/benchmark_speculative.py   # ~5 minutes on a 2-core CPU
+    python examples/benchmarks/benchmark_speculative.py   # ~5 minutes on a 2-core CPU
 
-Models: the 135M-class Llama shape (examples/llama135m.py; random float32 weights, as in
+Models: the 135M-class Llama shape (models.py; random float32 weights, as in
 benchmark_generate.py) as the model, and a 2-layer draft of the same vocabulary (the
 model's embeddings and first two blocks), in float32 and 4-bit (group 64: its 49152-row
 head is most of its reading). All are Hugging Face folders loaded by both libraries.
@@ -40,8 +40,7 @@ import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from benchmark_generate import SHARED, quantized, random_weights, write_folder, write_tokenizer
-from llama135m import LLAMA_135M
+from models import LLAMA_135M, SHAKESPEARE, random_weights, write_bpe_tokenizer, write_model
 from stream_timing import time_stream
 
 BUILD_VERSION = ".built-v2"
@@ -63,16 +62,14 @@ def build_models(root: Path) -> dict[str, Path]:
         return folders
     print(f"writing the benchmark models to {root} (once)...", flush=True)
     tokenizer_dir = root / "tokenizer"
-    tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(tokenizer_dir, (SHARED / "tinyshakespeare" / "input.txt").read_text())
+    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
     weights = random_weights(LLAMA_135M)
-    write_folder(folders["target-float32"], {**LLAMA_135M, "torch_dtype": "float32"}, weights, tokenizer_dir)
-    half = {k: v.astype(mx.float16) for k, v in weights.items()}
-    write_folder(folders["target-float16"], {**LLAMA_135M, "torch_dtype": "float16"}, half, tokenizer_dir)
+    write_model(folders["target-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
+    write_model(folders["target-float16"], LLAMA_135M, weights, tokenizer_dir, "float16")
     draft = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
-    draft_config = {**LLAMA_135M, "num_hidden_layers": 2, "torch_dtype": "float32"}
-    write_folder(folders["draft-2-layers"], draft_config, draft, tokenizer_dir)
-    write_folder(folders["draft-2-layers-4bit"], *quantized(draft_config, draft), tokenizer_dir)
+    draft_config = {**LLAMA_135M, "num_hidden_layers": 2}
+    write_model(folders["draft-2-layers"], draft_config, draft, tokenizer_dir, "float32")
+    write_model(folders["draft-2-layers-4bit"], draft_config, draft, tokenizer_dir, "4bit")
     (root / BUILD_VERSION).write_text("")
     return folders
 
@@ -103,7 +100,7 @@ def copy_task(tokenizer) -> tuple[list[int], list[int], list[int]]:
     """(prompt, the answer: the passage with every ``EDIT_EVERY``-th token changed, the
     passage as it is). Edits by token keep the two aligned, so the draft steered to the
     passage is wrong exactly at the edits."""
-    text = (SHARED / "tinyshakespeare" / "input.txt").read_text()
+    text = SHAKESPEARE.read_text()
     passage = " ".join(text[:2000].split()[:90])
     prompt = f"Correct the spelling in this passage.\n\n{passage}\n\nThe corrected passage:\n"
     passage_ids = tokenizer.encode(passage, add_special_tokens=False)

@@ -1,0 +1,159 @@
+"""The benchmarks' models, built in one place: random weights of a given shape written as a
+model folder (Hugging Face layout: config.json, model.safetensors, a tokenizer) in float32,
+float16, or 8- or 4-bit; the tokenizers they carry; the prompts they read. Every benchmark
+here imports this module as a sibling (a script's own folder is on sys.path when it runs).
+
+``LLAMA_135M`` is the shape most of them use, SmolLM2-135M's (hidden 576, 30 layers, 9
+heads, 3 KV heads, d_ff 1536, vocab 49152, tied embeddings), as a Hugging Face config.
+Random weights are fine for speed and memory: only the shape matters.
+
+Heavy imports stay inside the functions, ``import mlx_tfm`` first (it routes MLX's CPU BLAS
+before mlx.core loads): a script that needs only a shape, or a child process timing
+another engine, pays for nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+DATA = CHECKOUT / "tests" / "data"  # the fixtures the tests read
+SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
+STORIES_HF = DATA / "stories260K-hf"  # the real tiny model; its tokenizer a SentencePiece model of 512 pieces
+
+LLAMA_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "torch_dtype": "float32",
+}
+FORMS = ("float32", "float16", "8bit", "4bit")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def random_weights(config: dict, seed: int = 0, scale: float | None = 0.02) -> dict:
+    """The weights of the model ``config`` describes (any family mlx_tfm reads), float32 in
+    its parameter names (a Llama's are Hugging Face's): normal with std ``scale`` as at
+    initialisation, the norms as initialised (ones); ``scale=None``: all as initialised."""
+    import mlx_tfm  # noqa: F401  (BLAS routing before MLX)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_tfm.families import model_args_from_config
+    from mlx_tfm.model.transformer import Model
+
+    mx.random.seed(seed)
+    model = Model(model_args_from_config(config))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        keep = scale is None or name.endswith("norm.weight")
+        weights[name] = value if keep else scale * mx.random.normal(value.shape)
+        mx.eval(weights[name])
+    return weights
+
+
+def quantized(config: dict, weights: dict, group_size: int = 64, bits: int = 4) -> tuple[dict, dict]:
+    """(config, weights) as nn.quantize stores them (weight, scales, biases per quantized
+    layer); from float32 weights the scales are float32 (MLX's CPU quantized product is far
+    slower with float16 ones)."""
+    import mlx_tfm  # noqa: F401
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlx_tfm.families import model_args_from_config
+    from mlx_tfm.model.transformer import Model
+
+    model = Model(model_args_from_config(config))
+    model.load_weights(list(weights.items()))
+    nn.quantize(model, group_size=group_size, bits=bits)
+    q_weights = dict(tree_flatten(model.parameters()))
+    mx.eval(q_weights)
+    return {**config, "quantization": {"group_size": group_size, "bits": bits}}, q_weights
+
+
+def write_model(folder: Path, config: dict, weights: dict, tokenizer_from: Path | None, form: str = "float32",
+                group_size: int = 64, tensor_format: str = "mlx") -> Path:
+    """A model folder of float32 ``weights`` in ``form`` (FORMS: float32, float16, 8bit, 4bit
+    in groups of ``group_size``), with the tokenizer files of ``tokenizer_from`` (None: they
+    are in ``folder`` already). ``tensor_format``: the safetensors metadata ("pt" as a
+    Hugging Face checkpoint has it)."""
+    import mlx.core as mx
+
+    if form not in FORMS:
+        raise ValueError(f"form {form!r} is not one of {FORMS}")
+    config = {**config, "torch_dtype": "float16" if form == "float16" else "float32"}
+    if form == "float16":
+        weights = {name: value.astype(mx.float16) for name, value in weights.items()}
+    elif form != "float32":
+        config, weights = quantized(config, weights, group_size, 8 if form == "8bit" else 4)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": tensor_format})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES if tokenizer_from is not None else ():
+        if (tokenizer_from / name).is_file():
+            shutil.copyfile(tokenizer_from / name, folder / name)
+    return folder
+
+
+def write_tokenizer_config(folder: Path, token: str) -> None:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token, "eos_token": token,
+              "model_max_length": 2048}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_bpe_tokenizer(folder: Path, texts: list[str], vocab_size: int = 4096,
+                        special_tokens: tuple[str, ...] = ("<|endoftext|>",)) -> int:
+    """A byte-level BPE tokenizer.json trained on ``texts`` (readable by mlx_tfm and mlx-lm),
+    the first special token as BOS and EOS; returns its vocabulary size (a small corpus
+    yields fewer merges than asked for)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    write_tokenizer_config(folder, special_tokens[0])
+    return tokenizer.get_vocab_size()
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json covering every id (``t1``, ``t2``, ...): for benchmarks
+    that give token ids, never text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    write_tokenizer_config(folder, "<|endoftext|>")
+
+
+def prompt_ids(folder: Path, n_tokens: int) -> list[int]:
+    """The first ``n_tokens`` tokens of tinyshakespeare in this model's tokenizer."""
+    from mlx_tfm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode(SHAKESPEARE.read_text()[: 40 * n_tokens])[:n_tokens]
+    if len(ids) != n_tokens:
+        raise SystemExit(f"error: the prompt text is too short for {n_tokens} tokens")
+    return ids
