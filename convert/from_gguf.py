@@ -19,14 +19,14 @@ import sys
 
 import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
 from mlx_tfm.cli import run_command
-from mlx_tfm.convert.options import add_output_arguments, convert_source
+from mlx_tfm.cli.convert import add_settings_arguments, convert_with
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf-path", required=True, help="The .gguf file.")
-    add_output_arguments(parser)
-    parser.set_defaults(_run=lambda args: convert_source(args, args.gguf_path, "gguf"))
+    add_settings_arguments(parser)
+    parser.set_defaults(_run=lambda args: convert_with(args, args.gguf_path, "gguf"))
     return run_command(parser.parse_args())[0]  # a UserError is one `error:` line and exit status 1
 
 

@@ -218,6 +218,25 @@ def source_kind(path: Path) -> str:
     return "llama2c" if may_be_llama2c(head) else "unknown"
 
 
+# How a message names each kind of source (SOURCE_KINDS), and "hub": a local folder or a
+# Hugging Face repo id.
+KIND_NAMES = {"folder": "folder", "gguf": "GGUF file", "llama2c": "llama2.c checkpoint",
+              "safetensors": "single safetensors file", "hub": "folder or Hugging Face repo id"}
+
+
+def check_kind(source: str, kind: str) -> None:
+    """UserError unless ``source`` is a ``kind`` (a key of KIND_NAMES). A file of no format
+    mlx_tfm reads is left to the reader, whose message says so."""
+    path = Path(source).expanduser()
+    if kind == "hub" and not path.exists():
+        return  # a repo id: the hub says whether it exists
+    if not path.exists():
+        raise UserError(f"{source} does not exist")
+    found = source_kind(path)
+    if found != "unknown" and found != kind and not (kind == "hub" and found == "folder"):
+        raise UserError(f"{source} is a {KIND_NAMES[found]}, not a {KIND_NAMES[kind]}")
+
+
 def read_source(path: Path) -> Source:
     """The model at a local ``path``, read by the reader of its kind (``source_kind``);
     anything else is refused in one line."""

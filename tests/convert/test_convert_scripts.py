@@ -55,19 +55,24 @@ def option_table(parser: argparse.ArgumentParser) -> dict:
     return {tuple(a.option_strings): (a.default, a.choices) for a in parser._actions if a.option_strings}
 
 
-def test_the_scripts_flags_are_mlx_tfm_converts():
-    """Spelled, defaulted and limited as `mlx-tfm convert`'s (mlx_lm.convert's names)."""
-    from mlx_tfm.cli import convert as cli_convert
-    from mlx_tfm.convert.options import add_output_arguments
+def test_the_flags_are_mlx_lm_converts():
+    """`mlx-tfm convert` and the scripts share one definition of the settings
+    (cli/convert.py); it spells and limits each flag mlx_lm.convert also has as mlx_lm does,
+    so its recipes carry over."""
+    import importlib
 
-    ours, theirs = argparse.ArgumentParser(), argparse.ArgumentParser()
-    add_output_arguments(ours)
-    cli_convert.add_arguments(theirs)
-    cli = option_table(theirs)
-    for options, (default, choices) in option_table(ours).items():
-        assert cli[options][0] == default, options
-        assert list(cli[options][1] or []) == list(choices or []), options
-    assert set(option_table(ours)) == set(cli) - {("--hf-path", "--model")}
+    from mlx_tfm.cli import convert as cli_convert
+
+    ours, theirs = argparse.ArgumentParser(), importlib.import_module("mlx_lm.convert").configure_parser()
+    cli_convert.add_arguments(ours)
+    mlx_lm = {options[-1]: choices for options, (_, choices) in option_table(theirs).items()}
+    shared = [options for options in option_table(ours) if any(o in mlx_lm for o in options)]
+    assert len(shared) >= 7  # --hf-path, --mlx-path, -q, --q-group-size, --q-bits, --quant-predicate, --dtype, -d
+    for options in shared:
+        name = next(o for o in options if o in mlx_lm)
+        choices = option_table(ours)[options][1]
+        if mlx_lm[name] is not None:
+            assert list(choices) == list(mlx_lm[name]), name
 
 
 def test_a_hugging_face_folder_gives_the_golden_text(tmp_path, stories_hf, golden):
@@ -132,3 +137,15 @@ def test_convert_is_not_packaged(tmp_path):
     wheel = built_wheel(project, tmp_path / "wheels", {**os.environ, "MLX_TFM_BUILD_KERNELS": "0"})
     top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert top_level == {"mlx_tfm", "mlx_tfm-0.1.0.dist-info"}, top_level
+
+
+def test_the_flags_choices_are_what_the_converter_takes():
+    """cli/convert.py spells the choices out (building a parser imports no MLX): they must
+    stay the converter's own."""
+    from mlx_tfm.cli import convert as cli_convert
+    from mlx_tfm.convert import converter
+    from mlx_tfm.weights.files import DTYPES
+    from mlx_tfm.weights.quantization import QUANT_RECIPES
+
+    assert cli_convert.Q_BITS == converter.Q_BITS and cli_convert.Q_GROUP_SIZES == converter.Q_GROUP_SIZES
+    assert cli_convert.DTYPES == tuple(DTYPES) and cli_convert.QUANT_RECIPES == tuple(QUANT_RECIPES)
