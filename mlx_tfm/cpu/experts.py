@@ -1,7 +1,7 @@
 """Stacked experts (``mlx_tfm.model.experts.SwitchGLU``) on MLX's CPU backend.
 
 MLX's CPU ``gather_qmm`` runs on one core and is slow, its ``gather_mm`` takes float32
-only, and for a prompt both are far from what float32 BLAS does (measurements: README,
+only, and for a prompt both are far from what float32 BLAS does (measurements: docs/benchmarks.md,
 "Mixture of experts"). So on the CPU:
 
 - a few positions (decoding), every projection affine-quantized in a layout mlx_tfm's

@@ -72,7 +72,7 @@ def float32_product(x: mx.array, float32_rows: Callable[[int, int, mx.array], mx
 DENSE_FROM_ROWS = 16
 # The same for a quantized layer mlx_tfm's kernels take: they read each weight once for 8
 # positions, and the dense route must first dequantize the whole layer, so the kernels win
-# for longer (a batch of 16-64 decoding streams; crossover measured in the README, "CPU kernels").
+# for longer (a batch of 16-64 decoding streams; crossover measured in docs/cpu-kernels.md).
 QUANTIZED_DENSE_FROM_ROWS = 96
 
 
@@ -165,7 +165,7 @@ def few_rows(rows: int) -> bool:
     """Whether ``float32_decode_product`` takes ``rows`` positions: one, or fewer than
     ``DENSE_FROM_ROWS`` through mlx_tfm's kernel, which reads each weight once for up to 8
     (speculative decoding checks a few positions at once; MLX's ``x @ W.T`` is several
-    times slower for so few rows: figures in the README, "Faster and longer generation")."""
+    times slower for so few rows: figures in docs/generate.md, "Faster and longer generation")."""
     return rows == 1 or (rows < DENSE_FROM_ROWS and kernels() is not None)
 
 

@@ -5,7 +5,7 @@ log-probabilities.
 On the CPU, ``mx.fast.rms_norm`` and ``mx.fast.rope`` are fallbacks: chains of primitive
 ops (a RoPE call computes its angles with eight of them), and MLX's exp is a scalar loop,
 so a decoding step of a small model spends as much time here as in its products (numbers
-in the README, "CPU kernels"). The kernels compute the same in float32 with the CPU's SIMD;
+in docs/cpu-kernels.md). The kernels compute the same in float32 with the CPU's SIMD;
 their gradients are MLX's own ops'. ``None`` from ``kernels()`` (switched off, not built)
 means the callers run the plain MLX ops, as on Metal and CUDA.
 """

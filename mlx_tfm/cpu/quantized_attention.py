@@ -1,7 +1,7 @@
 """Attention over a quantized KV cache on the CPU: in float32, the scores on every core.
 
 MLX's CPU ``quantized_matmul`` runs on one core and is several times slower with
-half-precision queries and scales than with float32 ones (figures in the README, "Faster
+half-precision queries and scales than with float32 ones (figures in docs/generate.md, "Faster
 and longer generation"). So on the CPU:
 
 - ``in_float32``: the queries and the cache's scales and biases (one of each per group of

@@ -68,7 +68,7 @@ enum Scratch { X32, X_ARRANGED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
 
 // Scratch starts on a cache line: a vector load from memory that does not (MLX's CPU
 // allocator hands out memory 8 bytes past malloc's) touches two lines, and the products
-// load their input once per multiply-add (README, "CPU kernels", for what it saves).
+// load their input once per multiply-add (docs/cpu-kernels.md, for what it saves).
 template <class T>
 T* on_cache_line(std::vector<T>& buffer, size_t count) {
   const size_t slack = CACHE_LINE_BYTES / sizeof(T);
