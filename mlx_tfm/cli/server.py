@@ -9,7 +9,7 @@ from pathlib import Path
 from . import decoding_flags, sharding_flags
 from .flags import free_text
 
-HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prompt cache)."
+HELP = "Serve a model over an OpenAI-compatible HTTP API (continuous batching, shared prefix cache)."
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -143,7 +143,7 @@ class Stopped(Exception):
 
 
 class SizedEntry:
-    """A prompt cache entry (``TokenCache``) counted by the bytes the whole cluster holds for it."""
+    """A prefix cache entry (``TokenCache``) counted by the bytes the whole cluster holds for it."""
 
     def __init__(self, cache, nbytes: int):
         self.cache, self.nbytes = cache, nbytes
@@ -158,7 +158,7 @@ class SizedEntry:
 
 
 class ClusterPrefixCache(PrefixCache):
-    """The shared prompt cache of a split model: an entry counts what every rank holds
+    """The shared prefix cache of a split model: an entry counts what every rank holds
     for it (a pipeline's ranks hold different numbers of layers), so every rank keeps
     and drops the same entries and reuses the same prefixes."""
 

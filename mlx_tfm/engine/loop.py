@@ -1,5 +1,5 @@
 """The generation engine behind ``mlx-tfm server`` and ``mlx_tfm.batch_generate``:
-continuous batching with a prompt cache shared across requests.
+continuous batching with a prefix cache shared across requests.
 
 Every round of the engine (``Engine.step``):
 
@@ -9,7 +9,7 @@ Every round of the engine (``Engine.step``):
    (``Scheduler``, scheduler.py); rows whose prompt is in join the decoding batch;
 3. runs one decoding step for the whole batch (``DecodePipeline``, decode.py). Rows that
    finish (EOS, a stop string, their token limit, an error) leave; their cache goes to
-   the shared prompt cache (``PrefixCache``) and the batch is compacted.
+   the shared prefix cache (``PrefixCache``) and the batch is compacted.
 
 Events (text pieces, logprobs, finish reasons) are made in outputs.py, the rows in
 rows.py; the engine reaches every layer's cache only through ``BatchCache``
@@ -226,7 +226,7 @@ class Engine:
             self.decoder.join(*prefilled)
 
     def _remember(self, row: Row, caches: list[BatchCache], index: int) -> None:
-        """Put the row's cache, with the tokens it holds, in the shared prompt cache; not
+        """Put the row's cache, with the tokens it holds, in the shared prefix cache; not
         when a layer no longer holds all of them (a window dropped some)."""
         fed = row.fed
         if self.prefix_cache.max_bytes == 0 or fed == 0 or not all(c.holds_all(index, fed) for c in caches):

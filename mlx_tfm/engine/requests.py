@@ -33,7 +33,7 @@ class Event:
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # None while running; "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the shared prompt cache
+    cached_tokens: int  # prompt tokens served from the shared prefix cache
     generation_tokens: int  # tokens generated so far for this request
     error: str | None = None  # one line, when finish_reason == "error"
     internal: bool = False  # the error is an unexpected exception's: its text is for the log, not a client

@@ -3,7 +3,7 @@ their prompts each round feeds.
 
 Waiting requests join while the batch has room (and, while streams are running, while the
 prompt tokens left to read fit one prefill step); each reuses the longest prefix the
-shared prompt cache holds. One chunk of prompt then runs through the group: all its rows
+shared prefix cache holds. One chunk of prompt then runs through the group: all its rows
 together, each feeding up to the same number of its own tokens, a row with fewer left
 padded so that prompts of unequal length finish in one pass; ``prefill_step_size`` tokens
 in all, so one forward pass's memory is bounded and running streams keep flowing while
@@ -81,7 +81,7 @@ class Scheduler:
         self.group.add(rows, [list(layer) for layer in zip(*caches)])
 
     def _row_caches(self, row: Row, prefix_cache: PrefixCache) -> list[BatchCache]:
-        """The row's batched cache per layer, from the longest prefix the prompt cache holds."""
+        """The row's batched cache per layer, from the longest prefix the prefix cache holds."""
         entry, cached = prefix_cache.lookup(row.tokens, limit=row.prompt_length - 1)
         caches = [kind.row_from(single, cached) for kind, single in zip(self.kinds, entry.layers)] if entry else None
         if caches is None or None in caches:  # nothing cached, or a layer that cannot start from that prefix

@@ -52,5 +52,5 @@ def engine_metrics(engine: dict) -> list[str]:
                 [({}, engine["prompt_cache_hits"])]),
         *metric("prompt_cache_misses_total", "counter", "Prompts with no cached prefix.",
                 [({}, engine["prompt_cache_misses"])]),
-        *metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [({}, engine["prompt_cache_bytes"])]),
+        *metric("prompt_cache_bytes", "gauge", "Bytes held by the prefix cache.", [({}, engine["prompt_cache_bytes"])]),
     ]

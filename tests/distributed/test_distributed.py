@@ -257,7 +257,7 @@ def test_server_pipeline(tmp_path, stories_hf):
     follower = start(mlx_tfm("server", "--model", stories_hf, "--pipeline"), envs[1])
     server = ServerProcess("--model", str(stories_hf), "--pipeline", env=envs[0])
     try:
-        for _ in range(2):  # the second reuses the shared prompt cache
+        for _ in range(2):  # the second reuses the shared prefix cache
             status, answer = post(server.url + "/completions", {"prompt": PROMPT, "max_tokens": 30, "temperature": 0})
             assert status == 200 and answer["choices"][0]["text"] == expected, answer
         status, answer = post(server.url + "/completions", {"prompt": [PROMPT, PROMPT[:5]], "max_tokens": 12,

@@ -1,4 +1,4 @@
-"""The batching engine: continuous batching, per-row sampling and the shared prompt cache.
+"""The batching engine: continuous batching, per-row sampling and the shared prefix cache.
 
 References are independent of the engine: the single-sequence ``stream_generate`` (its own
 cache and loop), a full forward pass without any cache, and numpy formulas."""
@@ -822,7 +822,7 @@ def test_an_exception_in_a_step_fails_only_the_affected_requests(stories, golden
     assert collector.tokens("after") == golden["generated_ids"][:10]
 
 
-# -- the shared prompt cache -----------------------------------------------------------------
+# -- the shared prefix cache -----------------------------------------------------------------
 
 
 def test_a_second_turn_reuses_the_first_and_answers_as_a_cold_run(stories):
