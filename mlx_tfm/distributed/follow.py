@@ -108,8 +108,9 @@ class FollowerChatSession(ChatSession):
     def answer(self, message: str, should_stop=lambda: False):
         return super().answer(message, self.world.share)
 
-    def save(self, path) -> None:
-        """Rank 0 writes the file."""
+    def save(self, path) -> int:
+        """Rank 0 writes the file; a follower counts what it would have written."""
+        return len(self.conversation.messages())
 
     def load(self, path) -> int:
         kind, value = self.world.share()
