@@ -63,7 +63,25 @@ def build_parser(modules: dict) -> tuple[argparse.ArgumentParser, dict[str, argp
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Only the chosen subcommand's module is imported when it is named first.
+    try:
+        parser, args = parsed(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules are still being imported
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    code, failure = run_command(args)
+    if "mlx_tfm.distributed.world" in sys.modules:  # the command joined other ranks: tell them how it ended
+        from ..distributed.world import command_ended
+
+        command_ended(code, failure)
+    return code
+
+
+def parsed(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The `mlx-tfm` parser and ``argv`` parsed. Only the chosen subcommand's module is
+    imported when it is named first."""
     if argv and argv[0] in SUBCOMMANDS:
         try:
             modules = {argv[0]: importlib.import_module(SUBCOMMANDS[argv[0]])}
@@ -74,16 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser(modules)
     if argv and argv[0] in subparsers:
         argv = [argv[0], *mark_free_text(argv[1:], subparsers[argv[0]])]
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
-    code, failure = run_command(args)
-    if "mlx_tfm.distributed.world" in sys.modules:  # the command joined other ranks: tell them how it ended
-        from ..distributed.world import command_ended
-
-        command_ended(code, failure)
-    return code
+    return parser, parser.parse_args(argv)
 
 
 def run_command(args) -> tuple[int, str | None]:

@@ -9,7 +9,18 @@ MLP), ``positions`` and ``relative_positions``, ``cache`` (one cache object per 
 surgery on any of them).
 """
 
-from .config import ModelArgs
-from .transformer import Model, count_parameters
+# Imported on first use: a module of this folder (``model.cache``, ``model.config``) is
+# imported without building the whole model's import graph, which keeps the command line's
+# start-up short.
+_LAZY = {"Model": "transformer", "count_parameters": "transformer", "ModelArgs": "config"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Model", "ModelArgs", "count_parameters"]
