@@ -28,8 +28,8 @@ from pathlib import Path
 
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 
-from models import (LLAMA_135M, SHAKESPEARE, STORIES_HF, prompt_ids, random_weights, write_bpe_tokenizer,
-                    write_model)
+from models import (LLAMA_135M, STORIES_HF, build_once, prompt_ids, random_weights, shakespeare_tokenizer,
+    write_model)
 from stream_timing import RUNNERS, benchmark, run_mlx_lm_as_installed
 
 BUILD_VERSION = ".built-v2"  # bump when the folders' recipe changes
@@ -43,17 +43,15 @@ FORMS = {"llama135m-float32": "float32", "llama135m-float16": "float16", "llama1
 def build_models(root: Path) -> dict[str, Path]:
     """The benchmark folders under ``root``, written on the first run and reused after."""
     folders = {name: root / name for name in FORMS}
-    folders["stories260K"] = STORIES_HF
-    if all((f / "model.safetensors").is_file() for f in folders.values()) and (root / BUILD_VERSION).is_file():
-        return folders
-    print(f"writing the benchmark models to {root} (once)...", flush=True)
-    tokenizer_dir = root / "tokenizer"
-    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
-    weights = random_weights(LLAMA_135M)
-    for name, form in FORMS.items():
-        write_model(folders[name], LLAMA_135M, weights, tokenizer_dir, form)
-    (root / BUILD_VERSION).write_text("")
-    return folders
+
+    def write() -> None:
+        tokenizer_dir = shakespeare_tokenizer(root / "tokenizer")
+        weights = random_weights(LLAMA_135M)
+        for name, form in FORMS.items():
+            write_model(folders[name], LLAMA_135M, weights, tokenizer_dir, form)
+
+    build_once(root, BUILD_VERSION, write, folders.values())
+    return {**folders, "stories260K": STORIES_HF}
 
 
 def main() -> None:

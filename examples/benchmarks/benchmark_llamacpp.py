@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import LLAMA_135M, random_weights, write_model, write_word_tokenizer
+from models import LLAMA_135M, build_once, random_weights, write_model, write_word_tokenizer
 
 FORMATS = ("float32", "8bit", "4bit")
 GGUF_TYPES = {"float32": "F32", "8bit": "Q8_0", "4bit": "Q4_0"}
@@ -121,14 +121,13 @@ def quantize_gguf(source: Path, target: Path, gguf_type: str) -> None:
 
 
 def build_models(root: Path) -> None:
-    if (root / BUILD_VERSION).is_file():
-        return
-    print(f"writing the models to {root} (once)...", flush=True)
-    write_hf_folders(root)
-    write_gguf_f32(root / "float32" / "model.safetensors", root / "model-F32.gguf")
-    for fmt in ("8bit", "4bit"):
-        quantize_gguf(root / "model-F32.gguf", root / f"model-{GGUF_TYPES[fmt]}.gguf", GGUF_TYPES[fmt])
-    (root / BUILD_VERSION).write_text("")
+    def write() -> None:
+        write_hf_folders(root)
+        write_gguf_f32(root / "float32" / "model.safetensors", root / "model-F32.gguf")
+        for fmt in ("8bit", "4bit"):
+            quantize_gguf(root / "model-F32.gguf", root / f"model-{GGUF_TYPES[fmt]}.gguf", GGUF_TYPES[fmt])
+
+    build_once(root, BUILD_VERSION, write)
 
 
 # -- what a decoding step reads ------------------------------------------------------------

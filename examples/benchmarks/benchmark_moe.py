@@ -29,7 +29,8 @@ import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from models import LLAMA_135M, SHAKESPEARE, prompt_ids, random_weights, write_bpe_tokenizer, write_model
+from models import (LLAMA_135M, build_once, prompt_ids, random_weights, shakespeare_tokenizer,
+    write_model)
 from stream_timing import RUNNERS, benchmark
 
 MOE_CONFIG = {
@@ -58,15 +59,14 @@ def build_models(root: Path) -> dict[str, Path]:
     from mlx_tfm.convert.converter import convert
 
     folders = {"moe-float32": root / "moe-float32", "moe-4bit": root / "moe-4bit"}
-    if all((f / "model.safetensors").is_file() for f in folders.values()) and (root / BUILD_VERSION).is_file():
-        return folders
-    print(f"writing the benchmark models to {root} (once)...", flush=True)
-    tokenizer_dir = root / "tokenizer"
-    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
-    write_model(folders["moe-float32"], MOE_CONFIG, random_moe_weights(MOE_CONFIG), tokenizer_dir)
-    convert(folders["moe-float32"], folders["moe-4bit"], quantize=True, q_group_size=64, q_bits=4, overwrite=True,
-            log=lambda *_: None)
-    (root / BUILD_VERSION).write_text("")
+
+    def write() -> None:
+        tokenizer_dir = shakespeare_tokenizer(root / "tokenizer")
+        write_model(folders["moe-float32"], MOE_CONFIG, random_moe_weights(MOE_CONFIG), tokenizer_dir)
+        convert(folders["moe-float32"], folders["moe-4bit"], quantize=True, q_group_size=64, q_bits=4, overwrite=True,
+                log=lambda *_: None)
+
+    build_once(root, BUILD_VERSION, write, folders.values())
     return folders
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 
-from models import LLAMA_135M, SHAKESPEARE, random_weights, write_bpe_tokenizer, write_model
+from models import (LLAMA_135M, SHAKESPEARE, build_once, random_weights, shakespeare_tokenizer, write_model)
 
 BUILD_VERSION = ".built-server-v1"
 MODELS = ("llama135m-float32", "llama135m-4bit")
@@ -71,16 +71,15 @@ def cover_the_vocabulary(folder: Path, vocab_size: int) -> None:
 
 def build_models(root: Path) -> dict[str, Path]:
     folders = {name: root / name for name in MODELS}
-    if (root / BUILD_VERSION).is_file():
-        return folders
-    print(f"writing the benchmark models to {root} (once)...", flush=True)
-    tokenizer_dir = root / "tokenizer"
-    write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())
-    cover_the_vocabulary(tokenizer_dir, LLAMA_135M["vocab_size"])
-    weights = random_weights(LLAMA_135M)
-    write_model(folders["llama135m-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
-    write_model(folders["llama135m-4bit"], LLAMA_135M, weights, tokenizer_dir, "4bit")
-    (root / BUILD_VERSION).write_text("")
+
+    def write() -> None:
+        tokenizer_dir = shakespeare_tokenizer(root / "tokenizer")
+        cover_the_vocabulary(tokenizer_dir, LLAMA_135M["vocab_size"])
+        weights = random_weights(LLAMA_135M)
+        write_model(folders["llama135m-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
+        write_model(folders["llama135m-4bit"], LLAMA_135M, weights, tokenizer_dir, "4bit")
+
+    build_once(root, BUILD_VERSION, write)
     return folders
 
 

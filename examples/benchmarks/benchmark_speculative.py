@@ -40,7 +40,8 @@ import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from models import LLAMA_135M, SHAKESPEARE, random_weights, write_bpe_tokenizer, write_model
+from models import (LLAMA_135M, SHAKESPEARE, build_once, random_weights, shakespeare_tokenizer, write_bpe_tokenizer,
+    write_model)
 from stream_timing import time_stream
 
 BUILD_VERSION = ".built-v2"
@@ -58,8 +59,19 @@ EDIT_EVERY = 13  # the answer changes every 13th token of the passage (coprime t
 def build_models(root: Path) -> dict[str, Path]:
     folders = {name: root / name for name in ("target-float32", "target-float16", "draft-2-layers",
                                               "draft-2-layers-4bit")}
-    if all((f / "model.safetensors").is_file() for f in folders.values()) and (root / BUILD_VERSION).is_file():
-        return folders
+
+    def write() -> None:
+        tokenizer_dir = shakespeare_tokenizer(root / "tokenizer")
+        weights = random_weights(LLAMA_135M)
+        write_model(folders["target-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
+        write_model(folders["target-float16"], LLAMA_135M, weights, tokenizer_dir, "float16")
+        draft = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+        draft_config = {**LLAMA_135M, "num_hidden_layers": 2}
+        write_model(folders["draft-2-layers"], draft_config, draft, tokenizer_dir, "float32")
+        write_model(folders["draft-2-layers-4bit"], draft_config, draft, tokenizer_dir, "4bit")
+
+    build_once(root, BUILD_VERSION, write, folders.values())
+    return folders
     print(f"writing the benchmark models to {root} (once)...", flush=True)
     tokenizer_dir = root / "tokenizer"
     write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable, Iterable
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 DATA = CHECKOUT / "tests" / "data"  # the fixtures the tests read
@@ -157,3 +158,20 @@ def prompt_ids(folder: Path, n_tokens: int) -> list[int]:
     if len(ids) != n_tokens:
         raise SystemExit(f"error: the prompt text is too short for {n_tokens} tokens")
     return ids
+
+
+def build_once(root: Path, version: str, write: Callable[[], None], folders: Iterable[Path] = ()) -> None:
+    """Run ``write()`` (a benchmark's models under ``root``) unless a build of this recipe
+    ``version`` finished there and each of ``folders`` holds its weights. The marker is
+    written last, so an interrupted build is redone on the next run."""
+    if (root / version).is_file() and all((folder / "model.safetensors").is_file() for folder in folders):
+        return
+    print(f"writing the benchmark models to {root} (once)...", flush=True)
+    write()
+    (root / version).write_text("")
+
+
+def shakespeare_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer trained on tinyshakespeare, written to ``folder``."""
+    write_bpe_tokenizer(folder, SHAKESPEARE.read_text().splitlines())
+    return folder
