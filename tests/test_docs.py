@@ -154,13 +154,17 @@ def shown_invocations(path: Path) -> list[tuple[str, str, list[str]]]:
 @pytest.fixture(scope="module")
 def parsers() -> dict:
     """Each subcommand's parser, built as `mlx-tfm` builds them."""
-    _, subparsers = build_parser(_available_subcommands())
-    return subparsers
+    parser, subparsers = build_parser(_available_subcommands())
+    return {**subparsers, "": parser}  # "": `mlx-tfm` itself (--version, --help)
 
 
 def bad_invocations(path: Path, parsers: dict) -> list[str]:
     problems = []
     for where, command, flags in shown_invocations(path):
+        if command.startswith("-"):  # a flag of `mlx-tfm` itself
+            if command not in parsers[""]._option_string_actions:
+                problems.append(f"{where}: `mlx-tfm` has no flag {command}")
+            continue
         if command not in SUBCOMMANDS:
             problems.append(f"{where}: no command {command!r}")
             continue
@@ -244,12 +248,14 @@ def test_an_unknown_command_or_invented_flag_is_caught(tmp_path, parsers):
         "mlx-tfm convert --hf-path A --mlx-path B -q \\\n    --q-bits 4 --frobnicate\n"
         "mlx-tfm lora --num-layers -1 --model M   # --not-a-flag in a comment\n"
         "mlx-tfm teleport --now\n"
+        "mlx-tfm --version && mlx-tfm --versoin\n"
         "mlx-tfm convert [-q] [--q-bits 2|4|8] [--q-group-size 32|64] [--bogus-choice]\n```\n\n"
         "```console\n$ mlx-tfm chat --max-tokens 40\nmlx-tfm server: ready (output, not a call)\n```\n")
     assert bad_invocations(page, parsers) == [
         "page.md: mlx-tfm convert --hf-path A --mlx-path B -q      --q-bits 4 --frobnicate: "
         "`mlx-tfm convert` has no flag --frobnicate",
         "page.md: mlx-tfm teleport --now: no command 'teleport'",
+        "page.md: mlx-tfm --version && mlx-tfm --versoin: `mlx-tfm` has no flag --versoin",
         "page.md: mlx-tfm convert [-q] [--q-bits 2|4|8] [--q-group-size 32|64] [--bogus-choice]: "
         "`mlx-tfm convert` has no flag --bogus-choice",
         "page.md: mlx-tfm generate --max-tokenz 5: `mlx-tfm generate` has no flag --max-tokenz",
