@@ -64,5 +64,6 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
             pass
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
-            f"cannot fetch {repo_id!r} from the Hugging Face hub and it is not in the local cache ({reason})"
+            f"cannot fetch {repo_id!r} from the Hugging Face hub and it is not in the local cache, nor a local path "
+            f"({reason})"
         ) from None
