@@ -105,5 +105,6 @@ def test_generate_with_a_bare_hub_id_offline_and_not_cached(tmp_path):
                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     err = result.stderr.strip()
-    assert err.startswith("error: cannot fetch 'gpt2' from the Hugging Face hub and it is not in the local cache, nor a local path")
+    assert err.startswith("error: cannot fetch 'gpt2' from the Hugging Face hub and it is not in the local cache, "
+                          "nor a local path")
     assert "\n" not in err and "Traceback" not in err, err
