@@ -48,7 +48,8 @@ class ModelArgs:
     attention_sinks: bool = False  # gpt-oss: a learned logit per head that takes softmax mass
     clip_qkv: float | None = None  # OLMoE: q, k and v clipped to [-clip_qkv, clip_qkv]
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"
+    # per layer: "full_attention" | "sliding_attention", or a recurrent kind (model/mixers.py)
+    layer_types: tuple[str, ...] = ()
     # positions
     position_embedding: str = "rope"  # "rope" | "learned" | "sinusoidal" | "none"
     rope_theta: float = 10000.0

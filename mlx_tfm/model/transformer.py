@@ -20,6 +20,7 @@ from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
 from .layers import MLP, gated_activation, make_norm
+from .mixers import mixer_kind
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
 
@@ -65,7 +66,9 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"unknown norm_placement {self.placement!r} ({', '.join(BLOCK_NORMS)})")
         if not self.residual and self.placement not in ("pre", "post"):
             raise ValueError("residual=False is only defined for the pre and post placements")
-        self.self_attn = Attention(args, layer_idx)
+        kind = mixer_kind(args.layer_types[layer_idx])
+        self.mixer_name = kind.attribute
+        setattr(self, kind.attribute, kind.build(args, layer_idx))
         self.mlp = feed_forward(args, layer_idx)
         for name in BLOCK_NORMS[self.placement]:
             setattr(self, name, make_norm(args))
@@ -82,25 +85,30 @@ class TransformerBlock(nn.Module):
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
             # The original Transformer: normalise after each residual addition.
-            h = settled(self.input_layernorm(x + self.self_attn(x, mask, cache)))
+            h = settled(self.input_layernorm(x + self.mixer(x, mask, cache)))
             return self.post_attention_layernorm(h + self.mlp(h))
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
-            h = settled(x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache)))
+            h = settled(x + self._scaled(self.mixer(self.input_layernorm(x), mask, cache)))
             if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
                 h = settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
         if self.placement == "parallel":
             # Phi-2, Cohere: both sublayers read the same normalised x.
             normed = self.input_layernorm(x)
-            return x + self.self_attn(normed, mask, cache) + self.mlp(normed)
+            return x + self.mixer(normed, mask, cache) + self.mlp(normed)
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
-            h = settled(x + self.post_attention_layernorm(self.self_attn(x, mask, cache)))
+            h = settled(x + self.post_attention_layernorm(self.mixer(x, mask, cache)))
             return h + self.post_feedforward_layernorm(self.mlp(h))
         # Gemma 2 and 3: normalise each sublayer's input and its output.
-        h = settled(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
+        h = settled(x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), mask, cache)))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``)."""
+        return self[self.mixer_name]
 
     def _scaled(self, y: mx.array) -> mx.array:
         return y * self.residual_scale if self.residual_scale != 1.0 else y
@@ -109,9 +117,9 @@ class TransformerBlock(nn.Module):
         """The same sublayers and norms with no skip connections: each sublayer's output
         replaces the stream instead of adding to it (only for gradient-flow experiments)."""
         if self.placement == "post":
-            h = self.input_layernorm(self.self_attn(x, mask, cache))
+            h = self.input_layernorm(self.mixer(x, mask, cache))
             return self.post_attention_layernorm(self.mlp(h))
-        h = self.self_attn(self.input_layernorm(x), mask, cache)
+        h = self.mixer(self.input_layernorm(x), mask, cache)
         return self.mlp(self.post_attention_layernorm(h))
 
 
@@ -247,9 +255,13 @@ class Model(nn.Module):
 
     def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
         """One cache per layer. Sliding-window layers never need more than their window;
-        ``max_kv_size`` bounds every layer with a rotating cache."""
+        ``max_kv_size`` bounds every attention layer with a rotating cache; recurrent
+        layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
-        for window in self.model.windows:
+        for layer, window in zip(self.layers, self.model.windows):
+            if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
+                caches.append(layer.mixer.make_cache())
+                continue
             bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
             caches.append(RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache())
         return caches

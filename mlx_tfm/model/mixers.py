@@ -1,0 +1,46 @@
+"""Which module mixes positions in each layer type: the one table a new layer kind joins.
+
+A block is a token mixer and a feed-forward. The mixer is chosen by the layer's entry in
+``ModelArgs.layer_types``: attention (full or sliding) keeps keys and values in a KV
+cache; a recurrent kind (linear attention, Mamba, short convolutions) keeps a fixed-size
+state, and its module says which by ``make_cache()`` (a ``StateCache``, see
+``state_cache.py``). Every mixer is called as ``mixer(x (B, L, D), mask, cache) -> (B, L, D)``;
+recurrent ones ignore ``mask``, since they read positions in order.
+
+``attribute`` is the block's attribute and so the checkpoint name of the mixer's weights
+(``model.layers.N.self_attn.q_proj``, ``model.layers.N.linear_attn.in_proj_qkvz``...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.nn as nn
+
+from .attention import Attention
+from .config import ModelArgs
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    attribute: str  # the block's attribute holding the mixer: its checkpoint name
+    build: Callable[[ModelArgs, int], nn.Module]  # (args, layer_idx) -> the mixer
+
+
+def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
+    return Attention(args, layer_idx)
+
+
+MIXERS: dict[str, MixerKind] = {
+    "full_attention": MixerKind("self_attn", attention_mixer),
+    "sliding_attention": MixerKind("self_attn", attention_mixer),
+}
+
+
+def mixer_kind(layer_type: str) -> MixerKind:
+    if layer_type not in MIXERS:
+        raise ValueError(f"unknown layer type {layer_type!r} ({', '.join(MIXERS)})")
+    return MIXERS[layer_type]
