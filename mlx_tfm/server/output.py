@@ -198,6 +198,7 @@ class HarmonyParser:
     else its text is content); any other message content. Text without a header is content."""
 
     ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>") + ENDS  # special tokens in gpt-oss
 
     def __init__(self, calls: bool):
         self.calls = calls

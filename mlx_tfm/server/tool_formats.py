@@ -491,13 +491,24 @@ SYNTAX = {
     ToolFormat.MINIMAX_M2: ToolSyntax(("<minimax:tool_call>",), ("</minimax:tool_call>",), minimax_calls),
 }
 
-# Markers that tokenizers often keep as special tokens (no text of their own): the server
-# writes them back into the answer's text so that the parsers see them.
-MARKERS = sorted({m for s in SYNTAX.values() for m in s.openers + s.closers} | {
-    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<｜tool▁call▁begin｜>",
-    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
-    "<|call|>", "<|return|>", '<|"|>', "<escape>"})
+# The markers inside a format's tool section, besides its openers and closers.
+INNER_MARKERS = {
+    ToolFormat.MISTRAL: ("[ARGS]", "[CALL_ID]"),
+    ToolFormat.GEMMA4: ('<|"|>',),
+    ToolFormat.FUNCTION_GEMMA: ("<escape>",),
+    ToolFormat.KIMI_K2: ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    ToolFormat.DEEPSEEK_V31: ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+}
+
+
+def markers_of(tool_format: ToolFormat) -> tuple[str, ...]:
+    """Every marker a format's calls are written with. Tokenizers often keep them as
+    special tokens, which have no text: the server writes them back into the answer's
+    text so that the parser sees them."""
+    syntax = SYNTAX.get(tool_format)
+    written = syntax.openers + syntax.closers if syntax else ()
+    return written + INNER_MARKERS.get(tool_format, ())
 
 
 __all__ = ["ToolFormat", "ToolSyntax", "SYNTAX", "ParsedToolCall", "tool_format_of", "tool_format_named",
-           "typed_value", "MARKERS"]
+           "typed_value", "markers_of"]
