@@ -172,7 +172,8 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
     check_prompt(ids, serving.vocab_size, serving.context, "messages")
 
     tool_format, reasoning = answer_formats(serving.settings, serving.tokenizer.chat_template, request)
-    grammar, param = chat_grammar(request, tool_format)
+    markers = special_markers(serving.tokenizer, markers_to_write(tool_format, reasoning))
+    grammar, param = chat_grammar(request, tool_format, {text: token for token, text in markers.items()})
     rows = []
     for row in range(request.n):
         processors = (make_processor(serving.grammar_tokenizer, grammar, serving.vocab_size, param),) if grammar else ()
@@ -184,7 +185,6 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
     # An answer held to response_format is the JSON asked for, never a tool call.
     calls_format = None if param == "response_format" and grammar else tool_format
     schemas = {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
-    markers = special_markers(serving.tokenizer, markers_to_write(calls_format, reasoning))
     choices = [ChatChoice(AnswerParser(starts_thinking, calls_format, schemas, reasoning), serving, request.logprobs,
                           markers) for _ in rows]
     return request, rows, choices
@@ -225,9 +225,11 @@ def special_markers(tokenizer: Tokenizer, markers: tuple[str, ...]) -> dict[int,
     return found
 
 
-def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None) -> tuple[str | None, str]:
-    """The grammar the answer must follow, and the field that asked for it."""
-    forced_call = tool_call_grammar(request, tool_format) if tool_format is not None else None
+def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None,
+                 special: dict[str, int]) -> tuple[str | None, str]:
+    """The grammar the answer must follow, and the field that asked for it (``special``:
+    the format's markers that are special tokens, text -> id)."""
+    forced_call = tool_call_grammar(request, tool_format, special) if tool_format is not None else None
     if forced_call is not None:
         if request.response_format is not None and request.response_format.type != "text":
             raise invalid("response_format", "response_format cannot be combined with a forced tool call")

@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from fixtures.scripted_server import ScriptedServer, scripted_tokenizer_folder
+from fixtures.scripted_server import FAMILY_SPECIAL_MARKERS, ScriptedServer, scripted_tokenizer_folder
 from fixtures.server_models import TOOL_CHAT_TEMPLATE, tool_model_folder
 from fixtures.server_process import served
 
@@ -231,12 +231,7 @@ FAMILIES = {
                                   around=("<minimax:tool_call>\n", "</minimax:tool_call>")),
 }
 
-# Markers the families' tokenizers keep as special tokens (they stream as no text).
-SPECIAL_MARKERS = ["<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-                   "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|start|>",
-                   "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>",
-                   "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-                   "<｜tool▁calls▁end｜>"]
+SPECIAL_MARKERS = FAMILY_SPECIAL_MARKERS
 
 PARIS, UTC = ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})
 # family -> (the answer its model writes, content, reasoning, calls)

@@ -193,3 +193,79 @@ def test_unknown_parser_names_are_one_line_errors():
         reasoning_format_named("r1")
     assert reasoning_format_of(TEMPLATES[ToolFormat.HARMONY]) == ReasoningFormat.HARMONY
     assert reasoning_format_of(TEMPLATES[ToolFormat.HERMES]) == ReasoningFormat.THINK
+
+
+@pytest.mark.parametrize("flag, name", [("--tool-call-parser", "qwen"), ("--reasoning-parser", "r1")])
+def test_unknown_parser_flags_stop_the_server_in_one_line(capsys, stories_hf, flag, name):
+    from mlx_tfm.cli import main
+
+    assert main(["server", "--model", str(stories_hf), flag, name]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: unknown format {name!r}; known: ") and err.count("\n") == 1
+
+
+# -- forced calls: each format's grammar writes a call its parser reads, valid by the schema ------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "London", "北京"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                     "note": {"type": "string", "maxLength": 12}},
+    "required": ["city", "days", "note"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def vocabulary(tmp_path_factory):
+    """The tool model's tokenizer, the families' markers in it as special tokens, and
+    llguidance's view of it."""
+    from fixtures.scripted_server import FAMILY_SPECIAL_MARKERS, scripted_tokenizer_folder
+    from mlx_tfm.server.constrained import grammar_tokenizer
+    from mlx_tfm.tokenizer import load_tokenizer
+
+    folder = scripted_tokenizer_folder(tmp_path_factory.mktemp("grammar"), FAMILY_SPECIAL_MARKERS)
+    tokenizer = load_tokenizer(folder)
+    special = {m: tokenizer.encode(m, add_special_tokens=False)[0] for m in FAMILY_SPECIAL_MARKERS}
+    return tokenizer, grammar_tokenizer(tokenizer), special
+
+
+def random_forced_answer(vocabulary, tool_format: ToolFormat, choice, seed: int) -> str:
+    """A random walk through the tokens the forced call's grammar allows, as text."""
+    import numpy as np
+
+    from mlx_tfm.server.constrained import make_processor, tool_call_grammar
+    from mlx_tfm.server.protocol import ChatCompletionRequest, parse_body
+
+    tokenizer, grammar_tok, special = vocabulary
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME], "tool_choice": choice}
+    request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    matcher = make_processor(grammar_tok, tool_call_grammar(request, tool_format, special), tokenizer.vocab_size,
+                             "tool_choice").matcher
+    texts = {token: marker.encode() for marker, token in special.items()}
+    rng, written = np.random.default_rng(seed), b""
+    for _ in range(600):
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        token = int(rng.choice(np.flatnonzero(bits[:tokenizer.vocab_size])))
+        if token in tokenizer.eos_token_ids:
+            return written.decode()
+        assert matcher.consume_token(token), matcher.get_error()
+        written += texts.get(token) or tokenizer.token_bytes()[token]
+    raise AssertionError(f"the walk did not end: {written.decode(errors='replace')!r}")
+
+
+@pytest.mark.parametrize("tool_format", list(ToolFormat), ids=lambda f: f.value)
+def test_a_forced_call_parses_and_holds_to_the_schema(vocabulary, tool_format):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    reasoning = ReasoningFormat.HARMONY if tool_format == ToolFormat.HARMONY else ReasoningFormat.THINK
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed, choice in enumerate(["required", named, named]):
+        text = random_forced_answer(vocabulary, tool_format, choice, seed)
+        parser = AnswerParser(False, tool_format, schemas, reasoning)
+        answer = parser.feed(text)
+        answer += parser.finish()
+        assert not answer.content and len(answer.tool_calls) == 1, text
+        (call,) = answer.tool_calls
+        assert choice == "required" or call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
