@@ -3,7 +3,13 @@ thinking (Qwen 2.5 / Hermes format, built in tests/fixtures/server_models.py): t
 forced by tool_choice (the grammar makes the random model call the tool), parsed into
 message.tool_calls and streamed as deltas; the tool result rendered back (counted against
 transformers' rendering of the same template); thinking in reasoning_content; an internal
-error as a one-line 500 with the traceback in the server log."""
+error as a one-line 500 with the traceback in the server log.
+
+Then each family's tool call format (tool_formats.py) on a scripted server
+(tests/fixtures/scripted_server.py: the real app over an engine that answers with the text
+a family's model writes): calls and reasoning parsed, streamed with stable indexes and
+ids, rendered back as transformers renders them; forced calls held to the schema by each
+format's grammar; the --tool-call-parser / --reasoning-parser flags; enable_thinking."""
 
 from __future__ import annotations
 
@@ -234,13 +240,17 @@ FAMILIES = {
 SPECIAL_MARKERS = FAMILY_SPECIAL_MARKERS
 
 PARIS, UTC = ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+NOTE_123 = ("take_note", {"text": "123"})  # typed by the schema: a string, though it reads as a number
+FAMILY_TOOLS = [WEATHER, TIME, NOTE]
 # family -> (the answer its model writes, content, reasoning, calls)
 ANSWERS = {
     "hermes": ('<think>\nsunny?\n</think>\n\nLet me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
                '{"city": "Paris", "days": 3}}\n</tool_call>', "Let me look.", "sunny?", [PARIS]),
     "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-                    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
-                    "</parameter>\n</function>\n</tool_call>", None, None, [PARIS, UTC]),
+                    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=take_note>\n<parameter=text>\n123\n"
+                    "</parameter>\n</function>\n</tool_call>", None, None, [PARIS, NOTE_123]),
     "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None, None,
                     [PARIS]),
     "pythonic": ('[get_weather(city="Paris", days=3), get_time(zone="UTC")]', None, None, [PARIS, UTC]),
@@ -262,8 +272,9 @@ ANSWERS = {
     "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, None, [PARIS]),
     "minimax_m2": ('<think>easy</think>\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
-                   '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n'
-                   '<parameter name="zone">UTC</parameter>\n</invoke>\n</minimax:tool_call>', None, "easy", [PARIS, UTC]),
+                   '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="take_note">\n'
+                   '<parameter name="text">123</parameter>\n</invoke>\n</minimax:tool_call>', None, "easy",
+                   [PARIS, NOTE_123]),
 }
 
 
@@ -307,7 +318,7 @@ def ask(scripted, family: str, seed: int):
 def test_each_familys_tool_calls_and_reasoning(scripted, scripted_client, family):
     _, content, reasoning, calls = ANSWERS[family]
     ask(scripted, family, seed=1)
-    message = scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=[WEATHER, TIME])
+    message = scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=FAMILY_TOOLS)
     choice = message.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == content
     assert choice.message.model_extra.get("reasoning_content") == reasoning
@@ -318,7 +329,7 @@ def test_each_familys_tool_calls_and_reasoning(scripted, scripted_client, family
         assert [c.id for c in got] == ["functions.get_weather:0", "functions.get_time:1"]
 
     ask(scripted, family, seed=2)
-    chunks = list(scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=[WEATHER, TIME],
+    chunks = list(scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=FAMILY_TOOLS,
                                                           stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == (content or "")
@@ -337,11 +348,11 @@ def test_each_familys_calls_go_back_into_its_template(scripted, scripted_client,
     """The parsed calls and a tool's result, sent back, render as transformers renders
     the conversation with the calls the answer meant."""
     ask(scripted, family, seed=3)
-    first = scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=[WEATHER, TIME])
+    first = scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=FAMILY_TOOLS)
     message = first.choices[0].message
     results = [{"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in message.tool_calls]
     scripted.engine.script = ["Sunny."]
-    answer = scripted_client.chat.completions.create(model="scripted-model", tools=[WEATHER, TIME],
+    answer = scripted_client.chat.completions.create(model="scripted-model", tools=FAMILY_TOOLS,
                                                      messages=ASK + [message.model_dump(exclude_none=True)] + results)
     assert answer.choices[0].message.content == "Sunny." and answer.choices[0].message.tool_calls is None
 
@@ -351,7 +362,7 @@ def test_each_familys_calls_go_back_into_its_template(scripted, scripted_client,
     reference = PreTrainedTokenizerFast(tokenizer_file=str(scripted_folder / "tokenizer.json"))
     conversation = ASK + [{"role": "assistant", "content": content or "", "tool_calls": meant}] + [
         {"role": "tool", "content": "21 C"} for _ in calls]
-    text = reference.apply_chat_template(conversation, tools=[WEATHER, TIME], chat_template=FAMILIES[family],
+    text = reference.apply_chat_template(conversation, tools=FAMILY_TOOLS, chat_template=FAMILIES[family],
                                          add_generation_prompt=True, tokenize=False)
     assert scripted.engine.prompts[-1] == reference(text, add_special_tokens=False)["input_ids"]
 
@@ -389,3 +400,19 @@ def test_enable_thinking_reaches_the_template(scripted, scripted_client, referen
         "enable_thinking": True, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
     assert message.content == "4" and "reasoning_content" not in message.model_extra
     assert not reference_tokenizer.decode(scripted.engine.prompts[-1]).endswith("<think>\n")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_familys_forced_call_holds_to_the_schema(scripted, scripted_client, family):
+    """tool_choice names a tool: the grammar of the family's format (its special-token
+    markers named by id) makes random logits a call that parses, valid by the schema."""
+    scripted.tokenizer.chat_template = FAMILIES[family]
+    answer = scripted_client.chat.completions.create(model="scripted-model", messages=ASK, tools=FAMILY_TOOLS,
+                                                     tool_choice=named("get_weather"), max_tokens=200)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    spelled = scripted.tokenizer.decode(scripted.engine.generated[-1])  # (special tokens left out)
+    assert not [marker for marker in SPECIAL_MARKERS if marker in spelled], "a special marker spelled as text"
