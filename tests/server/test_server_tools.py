@@ -416,3 +416,13 @@ def test_each_familys_forced_call_holds_to_the_schema(scripted, scripted_client,
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     spelled = scripted.tokenizer.decode(scripted.engine.generated[-1])  # (special tokens left out)
     assert not [marker for marker in SPECIAL_MARKERS if marker in spelled], "a special marker spelled as text"
+
+
+def test_harmony_channels_without_tools(scripted, scripted_client):
+    """gpt-oss's template names harmony: its analysis channel is reasoning_content and its
+    final channel the content, tools offered or not (the markers are special tokens)."""
+    scripted.tokenizer.chat_template = FAMILIES["harmony"]
+    answer = "<|channel|>analysis<|message|>2 and 2.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    scripted.engine.script = script_of(answer, scripted.tokenizer, random.Random(4))
+    message = scripted_client.chat.completions.create(model="scripted-model", messages=ASK).choices[0].message
+    assert message.content == "It is 4." and message.model_extra["reasoning_content"] == "2 and 2."
