@@ -459,6 +459,15 @@ def deepseek_calls(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
     return calls or None
 
 
+def first_of(*parsers: Callable[[str, Schemas], list[ParsedToolCall] | None]):
+    """The calls of the first parser that reads the section (Qwen3-Coder and GLM models
+    sometimes write Hermes' JSON inside their <tool_call>)."""
+    def parse(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
+        return next((calls for parser in parsers if (calls := parser(body, schemas)) is not None), None)
+
+    return parse
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 
@@ -477,7 +486,7 @@ class ToolSyntax:
 
 SYNTAX = {
     ToolFormat.HERMES: ToolSyntax(("<tool_call>",), ("</tool_call>",), json_calls),
-    ToolFormat.QWEN3_CODER: ToolSyntax(("<tool_call>",), ("</tool_call>",), qwen3_coder_calls),
+    ToolFormat.QWEN3_CODER: ToolSyntax(("<tool_call>",), ("</tool_call>",), first_of(qwen3_coder_calls, json_calls)),
     ToolFormat.LLAMA3: ToolSyntax(("<|python_tag|>",), (), json_calls, leading=("{",)),
     ToolFormat.PYTHONIC: ToolSyntax(("<|python_start|>", "<|tool_call_start|>"), ("<|python_end|>", "<|tool_call_end|>"),
                                     pythonic_calls, leading=("[",)),
@@ -485,7 +494,7 @@ SYNTAX = {
     ToolFormat.GEMMA4: ToolSyntax(("<|tool_call>",), ("<tool_call|>",), gemma_calls('<|"|>')),
     ToolFormat.FUNCTION_GEMMA: ToolSyntax(("<start_function_call>",), ("<end_function_call>",),
                                           gemma_calls("<escape>")),
-    ToolFormat.GLM45: ToolSyntax(("<tool_call>",), ("</tool_call>",), glm_calls),
+    ToolFormat.GLM45: ToolSyntax(("<tool_call>",), ("</tool_call>",), first_of(glm_calls, json_calls)),
     ToolFormat.KIMI_K2: ToolSyntax(("<|tool_calls_section_begin|>",), ("<|tool_calls_section_end|>",), kimi_calls),
     ToolFormat.DEEPSEEK_V31: ToolSyntax(("<｜tool▁calls▁begin｜>",), ("<｜tool▁calls▁end｜>",), deepseek_calls),
     ToolFormat.MINIMAX_M2: ToolSyntax(("<minimax:tool_call>",), ("</minimax:tool_call>",), minimax_calls),

@@ -70,6 +70,9 @@ def test_qwen3_coder_xml_parameters_typed_by_the_schema():
         ("get_time", {"zone": "007"})])
     assert parse("<tool_call>\n<function=f>\n</function>\n</tool_call>", ToolFormat.QWEN3_CODER) == ("", "", [("f", {})])
     assert parse("<tool_call>oops</tool_call>", ToolFormat.QWEN3_CODER) == ("<tool_call>oops</tool_call>", "", [])
+    hermes_inside = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert parse(hermes_inside, ToolFormat.QWEN3_CODER) == ("", "", [("get_time", {"zone": "UTC"})])
+    assert parse(hermes_inside, ToolFormat.GLM45) == ("", "", [("get_time", {"zone": "UTC"})])
 
 
 def test_typed_values_follow_the_schema_and_keep_text_that_does_not_fit():
@@ -117,7 +120,7 @@ def test_glm45_arg_pairs():
     text = ("<think>sunny?</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>get_time</tool_call>")
     assert parse(text, ToolFormat.GLM45) == ("", "sunny?", [PARIS, ("get_time", {})])
-    assert parse("<tool_call>{\"a\": 1}</tool_call>", ToolFormat.GLM45)[2] == []
+    assert parse('<tool_call>{"a": 1}</tool_call>', ToolFormat.GLM45)[2] == []
 
 
 def test_kimi_k2_keeps_the_models_call_id():
