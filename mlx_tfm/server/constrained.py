@@ -105,12 +105,16 @@ def tool_call_grammar(request: ChatCompletionRequest, tool_format: ToolFormat,
     if not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
     tools = [t for t in request.tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
-    if tool_format in JSON_CALL_BODIES:
+    special = special or {}
+    literal = functools.partial(lark_literal, special=special)
+    if tool_format == ToolFormat.MISTRAL and "[ARGS]" in special:  # v11+ tokenizers: [TOOL_CALLS]f[ARGS]{...}
+        tool_format = MISTRAL_NAME_ARGS
+    elif tool_format in JSON_CALL_BODIES:
         arguments_key = "parameters" if tool_format == ToolFormat.LLAMA3 else "arguments"
         schema = {"anyOf": [call_schema(tool, arguments_key) for tool in tools], "x-guidance": COMPACT_JSON}
-        return LLMatcher.grammar_from_lark(f"start: {JSON_CALL_BODIES[tool_format]}\ncall: %json {json.dumps(schema)}\n")
+        body = JSON_CALL_BODIES[tool_format].format(tool_calls=literal("[TOOL_CALLS]") if "[TOOL_CALLS]" in special else "")
+        return LLMatcher.grammar_from_lark(f"start: {body}\ncall: %json {json.dumps(schema)}\n")
     write = CALL_WRITERS[tool_format]
-    literal = functools.partial(lark_literal, special=special or {})
     rules = [f"call_{i}: {write(tool.function.name, parameters_of(tool), literal)}" for i, tool in enumerate(tools)]
     start = "start: " + " | ".join(f"call_{i}" for i in range(len(tools)))
     return LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
@@ -120,8 +124,10 @@ def tool_call_grammar(request: ChatCompletionRequest, tool_format: ToolFormat,
 JSON_CALL_BODIES = {
     ToolFormat.HERMES: '"<tool_call>\\n" call "\\n</tool_call>"',
     ToolFormat.LLAMA3: "call",
-    ToolFormat.MISTRAL: '"[" call "]"',  # [TOOL_CALLS] is a special token: the bare list also parses
+    # [TOOL_CALLS] first when the tokenizer has it as a special token (as text no model writes it)
+    ToolFormat.MISTRAL: '{tool_calls} "[" call "]"',
 }
+MISTRAL_NAME_ARGS = "mistral [ARGS]"  # CALL_WRITERS' key for the form since Mistral's v11 tokenizers
 
 
 def call_schema(tool: Tool, arguments_key: str) -> dict:
@@ -237,6 +243,7 @@ CALL_WRITERS = {
     ToolFormat.GEMMA4: gemma_call("<|tool_call>", "<tool_call|>", '<|"|>'),
     ToolFormat.FUNCTION_GEMMA: gemma_call("<start_function_call>", "<end_function_call>", "<escape>"),
     ToolFormat.PYTHONIC: pythonic_call,
+    MISTRAL_NAME_ARGS: json_arguments_call("[TOOL_CALLS]{name}[ARGS]", ""),
     ToolFormat.KIMI_K2: json_arguments_call(
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
         "<|tool_call_end|><|tool_calls_section_end|>"),

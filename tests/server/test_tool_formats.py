@@ -232,8 +232,9 @@ def vocabulary(tmp_path_factory):
     return tokenizer, grammar_tokenizer(tokenizer), special
 
 
-def random_forced_answer(vocabulary, tool_format: ToolFormat, choice, seed: int) -> str:
-    """A random walk through the tokens the forced call's grammar allows, as text."""
+def random_forced_answer(vocabulary, tool_format: ToolFormat, choice, seed: int, leave_out: str = "") -> str:
+    """A random walk through the tokens the forced call's grammar allows, as text (the
+    grammar told of the special markers but ``leave_out``)."""
     import numpy as np
 
     from mlx_tfm.server.constrained import make_processor, tool_call_grammar
@@ -242,8 +243,8 @@ def random_forced_answer(vocabulary, tool_format: ToolFormat, choice, seed: int)
     tokenizer, grammar_tok, special = vocabulary
     body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME], "tool_choice": choice}
     request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
-    matcher = make_processor(grammar_tok, tool_call_grammar(request, tool_format, special), tokenizer.vocab_size,
-                             "tool_choice").matcher
+    grammar = tool_call_grammar(request, tool_format, {m: t for m, t in special.items() if m != leave_out})
+    matcher = make_processor(grammar_tok, grammar, tokenizer.vocab_size, "tool_choice").matcher
     texts = {token: marker.encode() for marker, token in special.items()}
     rng, written = np.random.default_rng(seed), b""
     for _ in range(600):
@@ -272,3 +273,16 @@ def test_a_forced_call_parses_and_holds_to_the_schema(vocabulary, tool_format):
         (call,) = answer.tool_calls
         assert choice == "required" or call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+@pytest.mark.parametrize("leave_out, form", [("", "[TOOL_CALLS]get_weather[ARGS]{"), ("[ARGS]", "[TOOL_CALLS][{")])
+def test_a_forced_mistral_call_takes_the_tokenizers_form(vocabulary, leave_out, form):
+    """v11+ tokenizers (an [ARGS] token) write name[ARGS]{...}; older ones the JSON list."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    text = random_forced_answer(vocabulary, ToolFormat.MISTRAL, named, seed=5, leave_out=leave_out)
+    assert text.startswith(form)
+    parser = AnswerParser(False, ToolFormat.MISTRAL)
+    answer = parser.feed(text)
+    answer += parser.finish()  # (Mistral's calls run to the end of the answer)
+    (call,) = answer.tool_calls
+    assert call.name == "get_weather"
