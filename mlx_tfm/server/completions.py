@@ -181,7 +181,8 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
                             sampling=sampling_of(request, serving.settings, serving.vocab_size, row),
                             stop_strings=request.stop_strings, logprobs=request.logprobs,
                             top_logprobs=request.top_logprobs or 0, logits_processors=processors))
-    starts_thinking = reasoning == ReasoningFormat.THINK and prompt_opens_thinking(prompt_text)
+    # A grammar writes the answer from its first token: no thinking before it, whatever the prompt opened.
+    starts_thinking = reasoning == ReasoningFormat.THINK and prompt_opens_thinking(prompt_text) and not grammar
     # An answer held to response_format is the JSON asked for, never a tool call.
     calls_format = None if param == "response_format" and grammar else tool_format
     schemas = {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}

@@ -426,3 +426,13 @@ def test_harmony_channels_without_tools(scripted, scripted_client):
     scripted.engine.script = script_of(answer, scripted.tokenizer, random.Random(4))
     message = scripted_client.chat.completions.create(model="scripted-model", messages=ASK).choices[0].message
     assert message.content == "It is 4." and message.model_extra["reasoning_content"] == "2 and 2."
+
+
+def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_call(scripted, scripted_client):
+    """The grammar writes the call from the first token: it is not taken for reasoning."""
+    scripted.tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    answer = scripted_client.chat.completions.create(
+        model="scripted-model", messages=ASK, tools=[WEATHER], tool_choice=named("get_weather"), max_tokens=200,
+        extra_body={"enable_thinking": True})
+    message = answer.choices[0].message
+    assert "reasoning_content" not in message.model_extra and message.tool_calls[0].function.name == "get_weather"
