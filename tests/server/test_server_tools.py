@@ -436,3 +436,15 @@ def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_call(scripted, sc
         extra_body={"enable_thinking": True})
     message = answer.choices[0].message
     assert "reasoning_content" not in message.model_extra and message.tool_calls[0].function.name == "get_weather"
+
+
+def test_reasoning_effort_reaches_the_template(scripted, scripted_client):
+    """OpenAI's reasoning_effort is the variable gpt-oss's template reads ("Reasoning: high")."""
+    scripted.tokenizer.chat_template = "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}" \
+                                       "<|end|>" + FAMILIES["harmony"]
+    scripted.engine.script = ["<|channel|>final<|message|>ok"]
+    for effort in ("high", None):
+        scripted_client.chat.completions.create(model="scripted-model", messages=ASK,
+                                                **({"reasoning_effort": effort} if effort else {}))
+        prompt = scripted.tokenizer.decode(scripted.engine.prompts[-1])
+        assert f"Reasoning: {effort or 'medium'}" in prompt
