@@ -289,19 +289,25 @@ def xml_pairs(pattern: re.Pattern, body: str, clean: Callable[[str], str]) -> li
     return None if matches is None else [(m.group(1).strip(), clean(m.group(2))) for m in matches]
 
 
-def qwen3_coder_calls(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
-    """``<function=f><parameter=k>\\nv\\n</parameter></function>``, one or more."""
-    functions = whole_matches(QWEN_FUNCTION, body)
-    if functions is None:
-        return None
-    calls = []
-    for function in functions:
-        name = function.group(1).strip()
-        pairs = xml_pairs(QWEN_PARAMETER, function.group(2), one_newline_off)
-        if pairs is None:
-            return None
-        calls.append(ParsedToolCall(name=name, arguments=typed_arguments(name, pairs, schemas)))
-    return calls
+def xml_calls(function: re.Pattern, parameter: re.Pattern, clean: Callable[[str], str]):
+    """A parser of sections made of ``function`` elements (group 1 the name, group 2 the
+    parameters) holding ``parameter`` elements (group 1 the key, group 2 the value text,
+    tidied by ``clean``): Qwen3-Coder's <function=f>, MiniMax's <invoke name="f">."""
+    def parse(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
+        calls = []
+        for match in whole_matches(function, body) or []:
+            name = match.group(1).strip()
+            pairs = xml_pairs(parameter, match.group(2), clean)
+            if pairs is None:
+                return None
+            calls.append(ParsedToolCall(name=name, arguments=typed_arguments(name, pairs, schemas)))
+        return calls or None
+
+    return parse
+
+
+qwen3_coder_calls = xml_calls(QWEN_FUNCTION, QWEN_PARAMETER, one_newline_off)
+minimax_calls = xml_calls(MINIMAX_INVOKE, MINIMAX_PARAMETER, str.strip)
 
 
 def glm_calls(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
@@ -312,21 +318,6 @@ def glm_calls(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
         return None
     pairs = xml_pairs(GLM_ARGUMENT, "" if start < 0 else body[start:], str.strip)
     return None if pairs is None else [ParsedToolCall(name=name, arguments=typed_arguments(name, pairs, schemas))]
-
-
-def minimax_calls(body: str, schemas: Schemas) -> list[ParsedToolCall] | None:
-    """``<invoke name="f"><parameter name="k">v</parameter></invoke>``, one or more."""
-    invokes = whole_matches(MINIMAX_INVOKE, body)
-    if invokes is None:
-        return None
-    calls = []
-    for invoke in invokes:
-        name = invoke.group(1).strip()
-        pairs = xml_pairs(MINIMAX_PARAMETER, invoke.group(2), str.strip)
-        if pairs is None:
-            return None
-        calls.append(ParsedToolCall(name=name, arguments=typed_arguments(name, pairs, schemas)))
-    return calls
 
 
 # -- Gemma: call:f{k:<escape>v<escape>,n:3} ----------------------------------------------------
