@@ -217,11 +217,10 @@ def markers_to_write(tool_format: ToolFormat | None, reasoning: ReasoningFormat)
 def special_markers(tokenizer: Tokenizer, markers: tuple[str, ...]) -> dict[int, str]:
     """Id -> text of the ``markers`` that are special tokens: they stream as no text (as
     gpt-oss's <|channel|> or Kimi's <|tool_call_begin|>), so the parser is given them."""
-    token_bytes = tokenizer.token_bytes()
     found = {}
     for marker in markers:
         ids = tokenizer.encode(marker, add_special_tokens=False)
-        if token_bytes is not None and len(ids) == 1 and not token_bytes[ids[0]]:
+        if len(ids) == 1 and not tokenizer.decode(ids):  # one token, and decoding skips it: special
             found[ids[0]] = marker
     return found
 

@@ -376,7 +376,8 @@ class GemmaArguments:
             key = None
             if keyed:
                 colon = self.text.find(":", self.position)
-                key = self.text[self.position:colon].strip().strip(",").strip() if colon > 0 else ""
+                # (keys are bare; a JSON-quoted one, as in a JSON object value, loses its quotes)
+                key = self.text[self.position:colon].strip().strip('"') if colon > 0 else ""
                 if not key:
                     raise ValueError("a key without a value")
                 self.position = colon + 1

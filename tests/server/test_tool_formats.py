@@ -111,6 +111,8 @@ def test_gemma4_and_function_gemma():
     text = '<|tool_call>call:get_weather{city:<|"|>Paris, "France"<|"|>,days:3,where:{lat:48.9},hours:[1,2]}<tool_call|>'
     assert parse(text, ToolFormat.GEMMA4) == ("", "", [
         ("get_weather", {"city": 'Paris, "France"', "days": 3, "where": {"lat": 48.9}, "hours": [1, 2]})])
+    assert parse('<|tool_call>call:get_weather{where:{"lat":48.9}}<tool_call|>', ToolFormat.GEMMA4)[2] == [
+        ("get_weather", {"where": {"lat": 48.9}})]  # (an object value as the grammar writes it: JSON)
     text = "Let me check. <start_function_call>call:get_weather{city:<escape>Paris<escape>,days:3}<end_function_call>"
     assert parse(text, ToolFormat.FUNCTION_GEMMA) == ("Let me check.", "", [PARIS])
     assert parse("<start_function_call>call:f{x:<escape>open}<end_function_call>", ToolFormat.FUNCTION_GEMMA)[2] == []
