@@ -37,6 +37,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0, help="default min-p (default: 0, off)")
     parser.add_argument("--chat-template-args", default="{}",
                         help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--tool-call-parser",
+                        help="the tool call format to parse answers in: hermes, qwen3_coder, llama3_json, pythonic, "
+                             "mistral, gemma4, function_gemma, glm45, kimi_k2, harmony, deepseek_v31, minimax_m2 "
+                             "(default: the one the chat template writes)")
+    parser.add_argument("--reasoning-parser",
+                        help="where the answer's reasoning is: think (<think>...</think>), harmony (gpt-oss's "
+                             "analysis channel), none (default: from the chat template)")
     parser.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default: 16)")
     parser.add_argument("--prefill-step-size", type=int, default=2048,
                         help="prompt tokens read per forward pass between decoding steps, over all prompts being "
@@ -83,6 +90,7 @@ def settings_from(args):
         chat_template_args=read_template_args(args.chat_template_args), max_batch=args.max_batch,
         prefill_step_size=args.prefill_step_size, prompt_cache_bytes=parse_size(args.prompt_cache_bytes),
         max_kv_size=args.max_kv_size, log_level=args.log_level.lower(), split=sharding_flags.mode(args),
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     ServerSettings(model="-", **settings)  # every flag checked before the model is looked for
     return ServerSettings(model=choose_model(args.model), **settings)

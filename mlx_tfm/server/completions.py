@@ -6,6 +6,7 @@ ends it with an error event (never a stream that does not end)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -25,9 +26,11 @@ from .errors import APIError, internal_error, invalid
 from .output import (
     AnswerParser,
     Delta,
-    ToolFormat,
+    HarmonyParser,
+    ReasoningFormat,
     prompt_opens_thinking,
-    tool_format_of,
+    reasoning_format_named,
+    reasoning_format_of,
 )
 from .prompts import chat_prompt, check_prompt, text_prompt
 from .protocol import (
@@ -37,6 +40,7 @@ from .protocol import (
     parse_body,
 )
 from .settings import ServerSettings
+from .tool_formats import ToolFormat, markers_of, tool_format_named, tool_format_of
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -94,8 +98,9 @@ def token_limit(request: SamplingFields, settings: ServerSettings) -> int:
 class ChatChoice:
     """The answer of one row so far: parsed text, logprobs, and how it finished."""
 
-    def __init__(self, parser: AnswerParser, serving: Serving, logprobs: bool):
+    def __init__(self, parser: AnswerParser, serving: Serving, logprobs: bool, markers: dict[int, str] | None = None):
         self.parser = parser
+        self.markers = markers or {}  # special token id -> the marker text the parser needs to see
         self.serving = serving
         self.answer = Delta()
         self.logprobs: list[dict] | None = [] if logprobs else None
@@ -104,7 +109,7 @@ class ChatChoice:
 
     def add(self, event) -> tuple[Delta, list[dict]]:
         """What this event adds: the parsed delta and its logprob entries."""
-        delta = self.parser.feed(event.text)
+        delta = self.parser.feed(self.markers.get(event.token, "") + event.text)
         if event.finish_reason is not None:
             delta += self.parser.finish()
         self.answer += delta
@@ -166,9 +171,9 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
     ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
     check_prompt(ids, serving.vocab_size, serving.context, "messages")
 
-    offers_tools = bool(request.tools) and request.tool_choice != "none"
-    tool_format = tool_format_of(serving.tokenizer.chat_template) if offers_tools else None
-    grammar, param = chat_grammar(request, tool_format)
+    tool_format, reasoning = answer_formats(serving.settings, serving.tokenizer.chat_template, request)
+    markers = special_markers(serving.tokenizer, markers_to_write(tool_format, reasoning))
+    grammar, param = chat_grammar(request, tool_format, {text: token for token, text in markers.items()})
     rows = []
     for row in range(request.n):
         processors = (make_processor(serving.grammar_tokenizer, grammar, serving.vocab_size, param),) if grammar else ()
@@ -176,16 +181,55 @@ def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, 
                             sampling=sampling_of(request, serving.settings, serving.vocab_size, row),
                             stop_strings=request.stop_strings, logprobs=request.logprobs,
                             top_logprobs=request.top_logprobs or 0, logits_processors=processors))
-    starts_thinking = prompt_opens_thinking(prompt_text)
+    # A grammar writes the answer from its first token: no thinking before it, whatever the prompt opened.
+    starts_thinking = reasoning == ReasoningFormat.THINK and prompt_opens_thinking(prompt_text) and not grammar
     # An answer held to response_format is the JSON asked for, never a tool call.
     calls_format = None if param == "response_format" and grammar else tool_format
-    choices = [ChatChoice(AnswerParser(starts_thinking, calls_format), serving, request.logprobs) for _ in rows]
+    schemas = {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
+    choices = [ChatChoice(AnswerParser(starts_thinking, calls_format, schemas, reasoning), serving, request.logprobs,
+                          markers) for _ in rows]
     return request, rows, choices
 
 
-def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None) -> tuple[str | None, str]:
-    """The grammar the answer must follow, and the field that asked for it."""
-    forced_call = tool_call_grammar(request, tool_format) if tool_format is not None else None
+def answer_formats(settings: ServerSettings, template: str | None,
+                   request: ChatCompletionRequest) -> tuple[ToolFormat | None, ReasoningFormat]:
+    """The answer's tool call format (None: the request offers no tools) and where its
+    reasoning is: the server's --tool-call-parser / --reasoning-parser, else the chat
+    template's."""
+    tool_format = None
+    if request.tools and request.tool_choice != "none":
+        named = settings.tool_call_parser
+        tool_format = tool_format_named(named) if named else tool_format_of(template)
+    named = settings.reasoning_parser
+    return tool_format, reasoning_format_named(named) if named else reasoning_format_of(template)
+
+
+def markers_to_write(tool_format: ToolFormat | None, reasoning: ReasoningFormat) -> tuple[str, ...]:
+    """The markers the answer's parsers read (only theirs: another model's marker, such as
+    Phi-3's <|end|>, stays out of its text)."""
+    markers = markers_of(tool_format) if tool_format is not None else ()
+    if reasoning == ReasoningFormat.HARMONY or tool_format == ToolFormat.HARMONY:
+        markers += HarmonyParser.MARKERS
+    return markers
+
+
+@functools.lru_cache(maxsize=64)
+def special_markers(tokenizer: Tokenizer, markers: tuple[str, ...]) -> dict[int, str]:
+    """Id -> text of the ``markers`` that are special tokens: they stream as no text (as
+    gpt-oss's <|channel|> or Kimi's <|tool_call_begin|>), so the parser is given them."""
+    found = {}
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and not tokenizer.decode(ids):  # one token, and decoding skips it: special
+            found[ids[0]] = marker
+    return found
+
+
+def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat | None,
+                 special: dict[str, int]) -> tuple[str | None, str]:
+    """The grammar the answer must follow, and the field that asked for it (``special``:
+    the format's markers that are special tokens, text -> id)."""
+    forced_call = tool_call_grammar(request, tool_format, special) if tool_format is not None else None
     if forced_call is not None:
         if request.response_format is not None and request.response_format.type != "text":
             raise invalid("response_format", "response_format cannot be combined with a forced tool call")

@@ -11,7 +11,10 @@ tokens, so no grammar can produce them except EOS when the grammar is complete.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -90,32 +93,165 @@ def response_grammar(request: ChatCompletionRequest) -> str | None:
         raise invalid("response_format", f"response_format: not a usable JSON schema ({e})") from None
 
 
-def tool_call_grammar(request: ChatCompletionRequest, tool_format: ToolFormat) -> str | None:
+def tool_call_grammar(request: ChatCompletionRequest, tool_format: ToolFormat,
+                      special: dict[str, int] | None = None) -> str | None:
     """For tool_choice "required" or a named function: a grammar that makes the answer a
-    call of one of the allowed tools, in the model's own format."""
+    call of one of the allowed tools, in the model's own format, its arguments held to the
+    tool's schema. ``special``: the format's markers that are special tokens (text -> id),
+    which the grammar names by id (as text they could never be written)."""
     from llguidance import LLMatcher
 
     choice = request.tool_choice
     if not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
     tools = [t for t in request.tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
-    arguments_key = "parameters" if tool_format == ToolFormat.LLAMA3 else "arguments"
-    schema = {"anyOf": [call_schema(tool, arguments_key) for tool in tools], "x-guidance": COMPACT_JSON}
-    body = {
-        ToolFormat.HERMES: '"<tool_call>\\n" call "\\n</tool_call>"',
-        ToolFormat.LLAMA3: "call",
-        ToolFormat.MISTRAL: '"[" call "]"',
-    }[tool_format]
-    return LLMatcher.grammar_from_lark(f"start: {body}\ncall: %json {json.dumps(schema)}\n")
+    special = special or {}
+    literal = functools.partial(lark_literal, special=special)
+    if tool_format == ToolFormat.MISTRAL and "[ARGS]" in special:  # v11+ tokenizers: [TOOL_CALLS]f[ARGS]{...}
+        tool_format = MISTRAL_NAME_ARGS
+    elif tool_format in JSON_CALL_BODIES:
+        arguments_key = "parameters" if tool_format == ToolFormat.LLAMA3 else "arguments"
+        schema = {"anyOf": [call_schema(tool, arguments_key) for tool in tools], "x-guidance": COMPACT_JSON}
+        body = JSON_CALL_BODIES[tool_format].format(tool_calls=literal("[TOOL_CALLS]") if "[TOOL_CALLS]" in special else "")
+        return LLMatcher.grammar_from_lark(f"start: {body}\ncall: %json {json.dumps(schema)}\n")
+    write = CALL_WRITERS[tool_format]
+    rules = [f"call_{i}: {write(tool.function.name, parameters_of(tool), literal)}" for i, tool in enumerate(tools)]
+    start = "start: " + " | ".join(f"call_{i}" for i in range(len(tools)))
+    return LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
+
+
+# Formats whose whole call is one JSON object: a schema of {"name", arguments} per tool.
+JSON_CALL_BODIES = {
+    ToolFormat.HERMES: '"<tool_call>\\n" call "\\n</tool_call>"',
+    ToolFormat.LLAMA3: "call",
+    # [TOOL_CALLS] first when the tokenizer has it as a special token (as text no model writes it)
+    ToolFormat.MISTRAL: '{tool_calls} "[" call "]"',
+}
+MISTRAL_NAME_ARGS = "mistral [ARGS]"  # CALL_WRITERS' key for the form since Mistral's v11 tokenizers
 
 
 def call_schema(tool: Tool, arguments_key: str) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, arguments_key: tool.function.parameters},
+        "properties": {"name": {"const": tool.function.name}, arguments_key: parameters_of(tool)},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
+
+
+def parameters_of(tool: Tool) -> dict:
+    return tool.function.parameters or {"type": "object"}
+
+
+def lark_literal(text: str, special: dict[str, int]) -> str:
+    """``text`` as a lark expression: its special-token markers by id (``<[id]>``), the
+    rest as strings."""
+    pieces = re.split("(" + "|".join(map(re.escape, special)) + ")", text) if special else [text]
+    return " ".join(f"<[{special[p]}]>" if p in special else json.dumps(p, ensure_ascii=False) for p in pieces if p)
+
+
+def json_value(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
+
+
+def text_value(schema: dict) -> str:
+    """A parameter's value as the XML formats write it: a string as bare text (one of
+    its enum's values when it has one), anything else as JSON."""
+    enum = schema.get("enum")
+    if enum and all(isinstance(value, str) for value in enum):
+        return "(" + " | ".join(json.dumps(value, ensure_ascii=False) for value in enum) + ")"
+    if schema.get("type") != "string":
+        return json_value(schema)
+    shortest, longest = schema.get("minLength", 0), schema.get("maxLength", "")
+    return f"/[^<]{{{shortest},{longest}}}/"  # (a "<" would start the closing tag)
+
+
+def each_parameter(parameters: dict, write: Callable[[str, dict], str], separator: str = "") -> str:
+    """The parameters in the schema's order, each written by ``write(name, schema)``:
+    the required ones always, the others optional (with a ``separator``: required ones only)."""
+    required = set(parameters.get("required") or ())
+    items = []
+    for name, schema in (parameters.get("properties") or {}).items():
+        if name in required:
+            items.append(write(name, schema))
+        elif not separator:
+            items.append(f"({write(name, schema)})?")
+    return f" {separator} ".join(items) if separator else " ".join(items)
+
+
+def between(literal, before: str, value: str, after: str) -> str:
+    """``value`` (a lark expression) between two texts."""
+    return f"{literal(before)} {value} {literal(after)}"
+
+
+def qwen3_coder_call(name: str, parameters: dict, literal) -> str:
+    def parameter(key: str, schema: dict) -> str:
+        return between(literal, f"<parameter={key}>\n", text_value(schema), "\n</parameter>\n")
+
+    return between(literal, f"<tool_call>\n<function={name}>\n", each_parameter(parameters, parameter),
+                   "</function>\n</tool_call>")
+
+
+def glm_call(name: str, parameters: dict, literal) -> str:
+    def parameter(key: str, schema: dict) -> str:
+        return between(literal, f"<arg_key>{key}</arg_key>\n<arg_value>", text_value(schema), "</arg_value>\n")
+
+    return between(literal, f"<tool_call>{name}\n", each_parameter(parameters, parameter), "</tool_call>")
+
+
+def minimax_call(name: str, parameters: dict, literal) -> str:
+    def parameter(key: str, schema: dict) -> str:
+        return between(literal, f"<parameter name={json.dumps(key)}>", text_value(schema), "</parameter>\n")
+
+    return between(literal, f"<minimax:tool_call>\n<invoke name={json.dumps(name)}>\n",
+                   each_parameter(parameters, parameter), "</invoke>\n</minimax:tool_call>")
+
+
+def gemma_call(opener: str, closer: str, quote: str):
+    """``call:f{k:<quote>text<quote>,n:3}`` between the format's markers."""
+    def write(name: str, parameters: dict, literal) -> str:
+        def parameter(key: str, schema: dict) -> str:
+            if text_value(schema) == json_value(schema):
+                return f"{literal(key + ':')} {json_value(schema)}"
+            return between(literal, key + ":" + quote, text_value(schema), quote)
+
+        body = each_parameter(parameters, parameter, separator=literal(","))
+        return between(literal, f"{opener}call:{name}{{", body, "}" + closer)
+
+    return write
+
+
+def pythonic_call(name: str, parameters: dict, literal) -> str:
+    """``[f(k=v, ...)]`` with JSON values (the parser reads true / false / null too)."""
+    body = each_parameter(parameters, lambda key, schema: f"{literal(key + '=')} {json_value(schema)}",
+                          separator=literal(", "))
+    return between(literal, f"[{name}(", body, ")]")
+
+
+def json_arguments_call(before: str, after: str):
+    """A format whose arguments are one JSON object between markers (``{name}`` in them)."""
+    def write(name: str, parameters: dict, literal) -> str:
+        return f"{literal(before.format(name=name))} {json_value(parameters)} {literal(after)}".strip()
+
+    return write
+
+
+CALL_WRITERS = {
+    ToolFormat.QWEN3_CODER: qwen3_coder_call,
+    ToolFormat.GLM45: glm_call,
+    ToolFormat.MINIMAX_M2: minimax_call,
+    ToolFormat.GEMMA4: gemma_call("<|tool_call>", "<tool_call|>", '<|"|>'),
+    ToolFormat.FUNCTION_GEMMA: gemma_call("<start_function_call>", "<end_function_call>", "<escape>"),
+    ToolFormat.PYTHONIC: pythonic_call,
+    MISTRAL_NAME_ARGS: json_arguments_call("[TOOL_CALLS]{name}[ARGS]", ""),
+    ToolFormat.KIMI_K2: json_arguments_call(
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+        "<|tool_call_end|><|tool_calls_section_end|>"),
+    ToolFormat.DEEPSEEK_V31: json_arguments_call("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+                                                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    # <|call|> that ends the message is an EOS token of gpt-oss: the answer ends there.
+    ToolFormat.HARMONY: json_arguments_call("<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""),
+}
 
 
 # -- the logits processor ------------------------------------------------------------------

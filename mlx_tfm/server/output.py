@@ -7,54 +7,30 @@ is certain so far (text that might still open a tag is held back); ``finish()`` 
 the rest. Streaming and non-streaming answers go through the same parser, so the joined
 deltas equal the whole answer.
 
-Tool call formats (``ToolFormat``), chosen from the chat template's text:
-    hermes   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5/3)
-    llama3   ``{"name": ..., "parameters": {...}}`` as the whole answer, optionally after
-             ``<|python_tag|>``; several separated by ``;`` (Llama 3.1-3.3)
-    mistral  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a
-             special token, so it may not show: a bare list also counts)
+The tool call formats (``ToolFormat``, one parser each) are tool_formats.py's; a format
+is chosen from the chat template's text or by ``--tool-call-parser``. Reasoning
+(``ReasoningFormat``): ``<think>...</think>`` at the start of the answer (or opened by the
+prompt), or gpt-oss's harmony channels (``HarmonyParser``: analysis -> reasoning, final ->
+content, a message to a function -> a tool call); chosen from the template or by
+``--reasoning-parser``.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..errors import UserError
+from .tool_formats import SYNTAX, ParsedToolCall, Schemas, ToolFormat, json_object_text, tool_format_of
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-class ToolFormat(Enum):
-    HERMES = "hermes"
-    LLAMA3 = "llama3"
-    MISTRAL = "mistral"
-
-
-# The first marker found in a chat template names its format.
-TEMPLATE_MARKERS = (("<tool_call>", ToolFormat.HERMES), ("[TOOL_CALLS]", ToolFormat.MISTRAL),
-                    ("<|python_tag|>", ToolFormat.LLAMA3), ("<|start_header_id|>", ToolFormat.LLAMA3))
-
-
-def tool_format_of(template: str | None) -> ToolFormat:
-    """The tool call format a chat template teaches its model (Hermes when it names none)."""
-    for marker, tool_format in TEMPLATE_MARKERS:
-        if template and marker in template:
-            return tool_format
-    return ToolFormat.HERMES
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether the rendered prompt ends inside a thinking section (DeepSeek-R1 and
     Qwen3-style templates write ``<think>`` for the model): the answer starts in it."""
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
-
-
-@dataclass
-class ParsedToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI returns it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
 @dataclass
@@ -133,30 +109,13 @@ class ReasoningSplitter:
         return text
 
 
-@dataclass(frozen=True)
-class ToolSyntax:
-    """Where a format's tool calls are: after an ``opener`` (consumed) up to ``closer``
-    (None: to the end of the answer), or, at the very start of the answer, from a
-    ``leading`` text that is part of the calls' JSON."""
-
-    openers: tuple[str, ...]
-    closer: str | None
-    leading: tuple[str, ...] = ()
-
-
-SYNTAX = {
-    ToolFormat.HERMES: ToolSyntax(openers=("<tool_call>",), closer="</tool_call>"),
-    ToolFormat.LLAMA3: ToolSyntax(openers=("<|python_tag|>",), closer=None, leading=("{",)),
-    ToolFormat.MISTRAL: ToolSyntax(openers=("[TOOL_CALLS]",), closer=None, leading=("[{",)),
-}
-
-
 class ToolCallParser:
     """Answer text -> content and tool calls. Trailing blanks are held back until more
     content follows, and dropped before a tool call."""
 
-    def __init__(self, tool_format: ToolFormat):
+    def __init__(self, tool_format: ToolFormat, schemas: Schemas | None = None):
         self.syntax = SYNTAX[tool_format]
+        self.schemas = schemas or {}  # the offered tools' parameter schemas (types the XML formats' values)
         self.buffer = ""
         self.section: str | None = None  # the opener of the tool section we are in
         self.at_start = True
@@ -185,11 +144,12 @@ class ToolCallParser:
         """Consume what can be decided in the buffer; False when more text is needed."""
         syntax = self.syntax
         if self.section is not None:
-            end = self.buffer.find(syntax.closer) if syntax.closer else -1
-            if end < 0:
+            ends = [(i, closer) for closer in syntax.closers if (i := self.buffer.find(closer)) >= 0]
+            if not ends:
                 return False
-            body, self.buffer = self.buffer[:end], self.buffer[end + len(syntax.closer):]
-            self._close_section(body, delta, closer=syntax.closer)
+            end, closer = min(ends)
+            body, self.buffer = self.buffer[:end], self.buffer[end + len(closer):]
+            self._close_section(body, delta, closer=closer)
             return True
         if self.at_start and syntax.leading:
             stripped = self.buffer.lstrip()
@@ -220,7 +180,7 @@ class ToolCallParser:
 
     def _close_section(self, body: str, delta: Delta, closer: str) -> None:
         opener, self.section = self.section, None
-        calls = parse_tool_calls(body)
+        calls = self.syntax.parse(body, self.schemas)
         if calls is None:  # not tool calls after all: the text is content
             self._content(opener + body + closer, delta)
             return
@@ -230,52 +190,129 @@ class ToolCallParser:
         delta.tool_calls += calls
 
 
-def parse_tool_calls(body: str) -> list[ParsedToolCall] | None:
-    """The calls in a tool section: JSON objects ``{"name", "arguments" | "parameters"}``,
-    or lists of them, separated by blanks, commas or semicolons. None if anything else is
-    there."""
-    decoder = json.JSONDecoder()
-    values, position = [], 0
-    while True:
-        while position < len(body) and body[position] in " \t\r\n;,":
-            position += 1
-        if position == len(body):
-            break
-        try:
-            value, position = decoder.raw_decode(body, position)
-        except json.JSONDecodeError:
-            return None
-        values += value if isinstance(value, list) else [value]
-    calls = [tool_call_of(value) for value in values]
-    return calls if calls and all(calls) else None
+class HarmonyParser:
+    """gpt-oss's answer in harmony messages: ``[<|start|>assistant]<|channel|>NAME
+    [to=functions.f] [<|constrain|>json]<|message|>TEXT`` ended by ``<|end|>``, ``<|call|>``
+    or ``<|return|>`` (or the end of the answer: the last two are EOS tokens). The analysis
+    channel is reasoning; a message to ``functions.f`` a call of f (when tools were offered;
+    else its text is content); any other message content. Text without a header is content."""
+
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>") + ENDS  # special tokens in gpt-oss
+
+    def __init__(self, calls: bool):
+        self.calls = calls
+        self.buffer = ""
+        self.header: str | None = None  # the header of the message we are in (None: between messages)
+
+    def feed(self, text: str) -> Delta:
+        self.buffer += text
+        delta = Delta()
+        while self._step(delta):
+            pass
+        return delta
+
+    def finish(self) -> Delta:
+        delta = Delta()
+        if self.header is not None:
+            self._end_message(self.buffer, delta)
+        self.buffer, self.header = "", None  # (a header cut short is markup, not text)
+        return delta
+
+    def _step(self, delta: Delta) -> bool:
+        if self.header is None:
+            stripped = self.buffer.lstrip()
+            if not stripped.startswith("<|") and not "<|".startswith(stripped):
+                self.header, self.buffer = "", stripped  # plain text: content
+                return True
+            start = stripped.find("<|message|>")
+            if start < 0:
+                return False
+            self.header, self.buffer = stripped[:start], stripped[start + len("<|message|>"):]
+            return True
+        ends = [(i, end) for end in self.ENDS if (i := self.buffer.find(end)) >= 0]
+        if ends:
+            position, end = min(ends)
+            body, self.buffer = self.buffer[:position], self.buffer[position + len(end):]
+            self._end_message(body, delta)
+            self.header = None
+            return True
+        if self._recipient() is None:  # reasoning and content stream; a call waits for its end
+            keep = len(self.buffer) - held_back(self.buffer, self.ENDS)
+            self._say(self.buffer[:keep], delta)
+            self.buffer = self.buffer[keep:]
+        return False
+
+    def _recipient(self) -> str | None:
+        """The function this message calls (None: it is text)."""
+        match = HARMONY_RECIPIENT.search(self.header or "")
+        return match.group(1) if match and self.calls else None
+
+    def _say(self, text: str, delta: Delta) -> None:
+        channel = HARMONY_CHANNEL.search(self.header or "")
+        if channel and channel.group(1) == "analysis":
+            delta.reasoning += text
+        else:
+            delta.content += text
+
+    def _end_message(self, body: str, delta: Delta) -> None:
+        name = self._recipient()
+        arguments = json_object_text(body) if name else None
+        if arguments is None:
+            self._say(body, delta)
+        else:
+            delta.tool_calls.append(ParsedToolCall(name=name, arguments=arguments))
 
 
-def tool_call_of(value) -> ParsedToolCall | None:
-    """A call is an object with a name and its arguments (any other JSON is content)."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    if "arguments" not in value and "parameters" not in value:
-        return None
-    arguments = value["arguments"] if "arguments" in value else value["parameters"]
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return ParsedToolCall(name=value["name"], arguments=arguments)
+HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+class ReasoningFormat(Enum):
+    THINK = "think"  # <think>...</think> (DeepSeek-R1, Qwen 3, GLM, MiniMax, Kimi thinking)
+    HARMONY = "harmony"  # gpt-oss's analysis channel
+    NONE = "none"  # no reasoning section: all of the answer is the answer
+
+
+REASONING_ALIASES = {"deepseek_r1": ReasoningFormat.THINK, "qwen3": ReasoningFormat.THINK,
+                     "openai": ReasoningFormat.HARMONY, "gpt_oss": ReasoningFormat.HARMONY}
+
+
+def reasoning_format_of(template: str | None) -> ReasoningFormat:
+    """Harmony for a template that writes harmony channels, else ``<think>``."""
+    return ReasoningFormat.HARMONY if template and "<|channel|>" in template else ReasoningFormat.THINK
+
+
+def reasoning_format_named(name: str) -> ReasoningFormat:
+    """The format a --reasoning-parser value names, or a UserError listing the names."""
+    by_name = {f.value: f for f in ReasoningFormat} | REASONING_ALIASES
+    if name not in by_name:
+        raise UserError(f"--reasoning-parser: unknown format {name!r}; known: {', '.join(sorted(by_name))}")
+    return by_name[name]
 
 
 class AnswerParser:
     """A chat answer's text -> Deltas of reasoning, content and tool calls (tool calls
-    only when the request offered tools)."""
+    only when the request offered tools: ``tool_format`` is then not None; ``schemas``
+    are the offered tools' parameter schemas)."""
 
-    def __init__(self, starts_thinking: bool, tool_format: ToolFormat | None):
-        self.reasoning = ReasoningSplitter(starts_thinking)
-        self.tools = ToolCallParser(tool_format) if tool_format is not None else None
+    def __init__(self, starts_thinking: bool, tool_format: ToolFormat | None, schemas: Schemas | None = None,
+                 reasoning: ReasoningFormat = ReasoningFormat.THINK):
+        harmony = reasoning == ReasoningFormat.HARMONY or tool_format == ToolFormat.HARMONY
+        self.harmony = HarmonyParser(calls=tool_format == ToolFormat.HARMONY) if harmony else None
+        self.reasoning = ReasoningSplitter(starts_thinking) if reasoning == ReasoningFormat.THINK else None
+        self.tools = ToolCallParser(tool_format, schemas) if tool_format in SYNTAX else None
 
     def feed(self, text: str) -> Delta:
-        reasoning, answer = self.reasoning.feed(text)
+        if self.harmony is not None:
+            return self.harmony.feed(text)
+        reasoning, answer = self.reasoning.feed(text) if self.reasoning else ("", text)
         return self._answer(reasoning, answer, finishing=False)
 
     def finish(self) -> Delta:
-        reasoning, answer = self.reasoning.finish()
+        if self.harmony is not None:
+            return self.harmony.finish()
+        reasoning, answer = self.reasoning.finish() if self.reasoning else ("", "")
         return self._answer(reasoning, answer, finishing=True)
 
     def _answer(self, reasoning: str, answer: str, finishing: bool) -> Delta:
@@ -286,3 +323,7 @@ class AnswerParser:
         if finishing:
             delta += self.tools.finish()
         return delta
+
+
+__all__ = ["AnswerParser", "Delta", "ParsedToolCall", "ToolFormat", "ReasoningFormat", "tool_format_of",
+           "reasoning_format_of", "reasoning_format_named", "prompt_opens_thinking"]

@@ -52,7 +52,10 @@ def template_supports_tools(template: str | None) -> bool:
 def chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest, default_kwargs: dict) -> str:
     """The conversation rendered by the chat template, ending with the assistant's turn
     (text: the caller encodes it, and looks at how it ends)."""
-    kwargs = {**default_kwargs, **(request.chat_template_kwargs or {})}
+    # The request's thinking switches are template variables too (chat_template_kwargs win).
+    switches = {"enable_thinking": request.enable_thinking, "reasoning_effort": request.reasoning_effort}
+    kwargs = {**default_kwargs, **{k: v for k, v in switches.items() if v is not None},
+              **(request.chat_template_kwargs or {})}
     reserved = RESERVED_TEMPLATE_VARIABLES & set(kwargs)
     if reserved:
         raise invalid("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}")

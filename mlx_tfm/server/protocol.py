@@ -175,6 +175,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None  # vLLM's and mlx-lm's shortcut for chat_template_kwargs' enable_thinking
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; gpt-oss's template reads it
 
     def check_fields(self) -> None:
         """Checks across fields, each a 400 naming its field."""

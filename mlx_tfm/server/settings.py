@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from .output import reasoning_format_named
+from .tool_formats import tool_format_named
 
 MAX_N = 8  # choices per request (`n`): each is a row of the batch
 MAX_PROMPTS = 32  # prompts per legacy completion request (each times `n` rows)
@@ -37,6 +39,8 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
     split: str | None = None  # "pipeline" | "tensor": the model split over mlx.launch's ranks
+    tool_call_parser: str | None = None  # a ToolFormat's name (None: the chat template's format)
+    reasoning_parser: str | None = None  # a ReasoningFormat's name (None: the chat template's)
 
     def __post_init__(self):
         check_settings(self)
@@ -61,6 +65,10 @@ def check_settings(s: ServerSettings) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if s.tool_call_parser is not None:
+        tool_format_named(s.tool_call_parser)
+    if s.reasoning_parser is not None:
+        reasoning_format_named(s.reasoning_parser)
 
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
