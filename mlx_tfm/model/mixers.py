@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs
+from .mamba import Mamba2Mixer
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -37,6 +38,7 @@ def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
 MIXERS: dict[str, MixerKind] = {
     "full_attention": MixerKind("self_attn", attention_mixer),
     "sliding_attention": MixerKind("self_attn", attention_mixer),
+    "mamba": MixerKind("mamba", Mamba2Mixer),  # Mamba-2's SSD (model/mamba.py)
 }
 
 

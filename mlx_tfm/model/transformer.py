@@ -23,6 +23,7 @@ from .layers import MLP, gated_activation, make_norm
 from .mixers import mixer_kind
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
+from .state_cache import StateCache
 
 
 def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
@@ -66,11 +67,18 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"unknown norm_placement {self.placement!r} ({', '.join(BLOCK_NORMS)})")
         if not self.residual and self.placement not in ("pre", "post"):
             raise ValueError("residual=False is only defined for the pre and post placements")
-        kind = mixer_kind(args.layer_types[layer_idx])
-        self.mixer_name = kind.attribute
-        setattr(self, kind.attribute, kind.build(args, layer_idx))
-        self.mlp = feed_forward(args, layer_idx)
-        for name in BLOCK_NORMS[self.placement]:
+        # Mamba-2's and Nemotron-H's blocks hold one sublayer: a mixer or an MLP, one norm
+        self.sublayers = args.block_sublayers[layer_idx] if args.block_sublayers else "mixer+mlp"
+        if self.sublayers != "mixer+mlp" and self.placement != "pre":
+            raise ValueError("blocks with one sublayer are only defined for the pre-norm placement")
+        self.mixer_name = None
+        if self.sublayers != "mlp":
+            kind = mixer_kind(args.layer_types[layer_idx])
+            self.mixer_name = kind.attribute
+            setattr(self, kind.attribute, kind.build(args, layer_idx))
+        if self.sublayers != "mixer":
+            self.mlp = feed_forward(args, layer_idx)
+        for name in BLOCK_NORMS[self.placement] if self.sublayers == "mixer+mlp" else ("input_layernorm",):
             setattr(self, name, make_norm(args))
         if layer_idx == 0 and not args.first_layer_norm:
             self.input_layernorm = nn.Identity()  # ModernBERT: the embeddings are normed already
@@ -81,6 +89,8 @@ class TransformerBlock(nn.Module):
             self.cross_attn_layernorm = make_norm(args)
 
     def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
+        if self.sublayers != "mixer+mlp":
+            return self._one_sublayer(x, mask, cache)
         if not self.residual:
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
@@ -106,9 +116,21 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     @property
-    def mixer(self) -> nn.Module:
-        """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``)."""
-        return self[self.mixer_name]
+    def mixer(self) -> nn.Module | None:
+        """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``);
+        None in an MLP-only block."""
+        return self[self.mixer_name] if self.mixer_name is not None else None
+
+    def _one_sublayer(self, x: mx.array, mask, cache) -> mx.array:
+        """A block of one sublayer, pre-norm: x + mixer(norm(x)), or x + mlp(norm(x)). An
+        MLP-only block still counts the positions in its (empty) cache, so every layer's
+        cache holds the same offset."""
+        normed = self.input_layernorm(x)
+        if self.mixer_name is not None:
+            return x + self._scaled(self.mixer(normed, mask, cache))
+        if cache is not None:
+            cache.advance(x.shape[1])
+        return x + self._scaled(self.mlp(normed))
 
     def _scaled(self, y: mx.array) -> mx.array:
         return y * self.residual_scale if self.residual_scale != 1.0 else y
@@ -259,6 +281,9 @@ class Model(nn.Module):
         layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
         for layer, window in zip(self.layers, self.model.windows):
+            if layer.mixer is None:  # an MLP-only block: nothing to remember
+                caches.append(StateCache(0))
+                continue
             if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
                 caches.append(layer.mixer.make_cache())
                 continue
