@@ -29,17 +29,15 @@ def ungrouped(t: mx.array) -> mx.array:
     return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
 
 
-def segment_sums(log_decay: mx.array) -> mx.array:
-    """(..., T) per-position log decays -> (..., T, T): entry [i, j] is the sum of
-    log_decay over (j, i] for j <= i, -inf above the diagonal. Summed as a masked cumulative
-    sum rather than a difference of running totals, which loses precision in long chunks."""
-    T = log_decay.shape[-1]
-    repeated = mx.broadcast_to(log_decay[..., None, :], (*log_decay.shape[:-1], T, T))  # [i, j] = a_j
-    strictly_below = mx.tril(mx.ones((T, T), dtype=mx.bool_), -1)
-    # sum over rows k in (j, i] of a_k: put a_k at [k, j] (k > j), then cumulative sum down the rows
-    column = mx.where(strictly_below, mx.swapaxes(repeated, -1, -2), 0.0)
-    sums = mx.cumsum(column, axis=-2)
-    return mx.where(mx.tril(mx.ones((T, T), dtype=mx.bool_)), sums, -mx.inf)
+@mx.compile  # one fused kernel: the T x T exponentials dominate a chunk's cost on the CPU
+def pairwise_decay(within: mx.array) -> mx.array:
+    """(..., T) log decays summed from the chunk's start -> (..., T, T): entry [i, j] is
+    exp(within_i - within_j), the decay from position j to i, for j <= i; 0 above the
+    diagonal. A difference of running totals (not a T x T cumulative sum, slow on the CPU):
+    within one chunk the totals stay small enough for float32."""
+    T = within.shape[-1]
+    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+    return mx.where(causal, mx.exp(mx.where(causal, within[..., :, None] - within[..., None, :], -mx.inf)), 0.0)
 
 
 def chunk_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
@@ -52,7 +50,7 @@ def chunk_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
     xdt = mx.swapaxes(x * dt[..., None], 1, 2)  # (B, H, T, P)
     Bg, Cg = mx.swapaxes(B, 1, 2), mx.swapaxes(C, 1, 2)  # (B, G, T, N)
     scores = (Cg @ mx.swapaxes(Bg, -1, -2))[:, :, None]  # (B, G, 1, T, T): C_i . B_j
-    weights = scores * grouped(mx.exp(segment_sums(log_decay)), G)  # (B, G, H/G, T, T)
+    weights = scores * grouped(pairwise_decay(within), G)  # (B, G, H/G, T, T)
     y = ungrouped(weights @ grouped(xdt, G))  # (B, H, T, P): inside the chunk
     # the start state read by every position, decayed to it
     from_state = ungrouped(Cg[:, :, None] @ mx.swapaxes(grouped(state, G), -1, -2))  # (B, H, T, P)
