@@ -12,7 +12,7 @@ import re
 
 from ..errors import UserError
 from ..model.config import ModelArgs
-from .common import Architecture, split_rows
+from .common import COMMON_DROPS, Architecture, activation
 
 
 def mamba_fields(config: dict, heads: int, head_dim: int, inner: int, **fields) -> dict:
@@ -70,12 +70,93 @@ def mamba2_args(config: dict) -> dict:
     }
 
 
-MAMBA2_RENAMES = (
+
+
+# Nemotron-H's layer kinds, as transformers 5 spells them (layers_block_type) and as the
+# legacy hybrid_override_pattern letters do: M Mamba-2, * attention, - MLP.
+NEMOTRON_H_KINDS = {"linear_attention": "mamba", "full_attention": "full_attention", "mlp": "mlp",
+                    "mamba": "mamba", "attention": "full_attention",
+                    "M": "mamba", "*": "full_attention", "-": "mlp"}
+
+
+def nemotron_h_layers(config: dict) -> list[str]:
+    """Each layer's kind: "mamba", "full_attention" or "mlp" (mixture-of-experts layers refused)."""
+    kinds = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+    if not kinds:
+        raise UserError("nemotron_h config has neither layers_block_type nor hybrid_override_pattern")
+    unknown = sorted({k for k in kinds if k not in NEMOTRON_H_KINDS})
+    if unknown:
+        raise UserError(f"nemotron_h layers of kind {unknown[0]!r} are not supported (Mamba-2, attention, MLP only)")
+    return [NEMOTRON_H_KINDS[k] for k in kinds]
+
+
+def nemotron_h_args(config: dict) -> dict:
+    """Nemotron-H: blocks of one sublayer each (a Mamba-2 mixer, attention without positions,
+    or a squared-ReLU MLP), each pre-normed with its residual."""
+    kinds = nemotron_h_layers(config)
+    D = config["hidden_size"]
+    heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
+    return {
+        "model_type": "nemotron_h",
+        "vocab_size": config["vocab_size"],
+        "hidden_size": D,
+        "num_hidden_layers": len(kinds),
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config.get("num_key_value_heads"),
+        "head_dim": config.get("head_dim"),
+        "intermediate_size": config["intermediate_size"],
+        "hidden_act": activation(config.get("mlp_hidden_act", "relu2")),
+        "ffn_gated": False,
+        "mlp_bias": config.get("mlp_bias", False),
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "position_embedding": "none",
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        "layer_types": ["full_attention" if k == "mlp" else k for k in kinds],  # an MLP block's entry is unused
+        "block_sublayers": ["mlp" if k == "mlp" else "mixer" for k in kinds],
+        # transformers' NemotronHMamba2Mixer clips dt at time_step_min, never above
+        **mamba_fields({**config, "time_step_limit": (config.get("time_step_min", 0.001), float("inf"))},
+                       heads, head_dim, heads * head_dim, mamba_state_size=config["ssm_state_size"],
+                       mamba_n_groups=config.get("n_groups", 8), mamba_conv_kernel=config.get("conv_kernel", 4),
+                       mamba_chunk_size=config.get("chunk_size", 128), mamba_proj_bias=config.get("use_bias", False),
+                       mamba_out_proj_bias=config.get("use_bias", False),
+                       mamba_conv_bias=config.get("use_conv_bias", True),
+                       mamba_norm_eps=config.get("layer_norm_epsilon", 1e-5)),
+    }
+
+
+LAYER_MIXER = re.compile(r"model\.layers\.(\d+)\.mixer\.(.*)")
+
+
+def mixers_by_layer_kind(weights: dict, args: ModelArgs) -> dict:
+    """Nemotron-H names every block's one sublayer ``mixer``; ours are named by kind
+    (``mamba``, ``self_attn``, ``mlp``), which only the layer's entry in args tells."""
+    out = {}
+    for name, tensor in weights.items():
+        match = LAYER_MIXER.fullmatch(name)
+        if match is not None:
+            layer = int(match[1])
+            if args.block_sublayers[layer] == "mlp":
+                kind = "mlp"
+            else:
+                kind = "mamba" if args.layer_types[layer] == "mamba" else "self_attn"
+            name = f"model.layers.{layer}.{kind}.{match[2]}"
+        out[name] = tensor
+    return out
+
+
+BACKBONE_RENAMES = (
     (r"backbone\.embeddings?\.(.*)", r"model.embed_tokens.\1"),  # older exports: backbone.embedding
     (r"backbone\.norm_f\.(.*)", r"model.norm.\1"),
     (r"backbone\.layers\.(\d+)\.norm\.(.*)", r"model.layers.\1.input_layernorm.\2"),
-    (r"backbone\.layers\.(\d+)\.mixer\.(.*)", r"model.layers.\1.mamba.\2"),
+    (r"backbone\.layers\.(\d+)\.mixer\.(.*)", r"model.layers.\1.mixer.\2"),
 )
+
+
+def nemotron_h_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's nemotron_h requires these keys, which transformers 5 may leave out."""
+    return {"time_step_limit": [config.get("time_step_min", 0.001), float("inf")],
+            "attention_bias": config.get("attention_bias", False), "mlp_bias": config.get("mlp_bias", False),
+            "use_bias": config.get("use_bias", False), "use_conv_bias": config.get("use_conv_bias", True)}
 
 
 def mamba2_mlx_lm_keys(config: dict) -> dict:
@@ -87,9 +168,13 @@ def mamba2_mlx_lm_keys(config: dict) -> dict:
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all (families/mlx_lm.py).
 STATE_SPACE_MLX_LM_KEYS = {
     "mamba2": mamba2_mlx_lm_keys,
+    "nemotron_h": nemotron_h_mlx_lm_keys,
 }
 
 # State-space families, by model_type.
 STATE_SPACE: dict[str, Architecture] = {
-    "mamba2": Architecture(args=mamba2_args, renames=MAMBA2_RENAMES, layout=conv_to_mlx_layout),
+    "mamba2": Architecture(args=mamba2_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
+                           layout=conv_to_mlx_layout),
+    "nemotron_h": Architecture(args=nemotron_h_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
+                               layout=conv_to_mlx_layout, drops=COMMON_DROPS + (r"mtp\..*",)),
 }
