@@ -12,7 +12,9 @@ import re
 
 from ..errors import UserError
 from ..model.config import ModelArgs
-from .common import COMMON_DROPS, Architecture, activation
+from .common import COMMON_DROPS, Architecture, activation, split_rows
+from .decoders import granite_args
+from .experts import moe_args
 
 
 def mamba_fields(config: dict, heads: int, head_dim: int, inner: int, **fields) -> dict:
@@ -70,6 +72,99 @@ def mamba2_args(config: dict) -> dict:
     }
 
 
+
+
+# Granite 4's layer kinds: transformers 5 writes linear_attention / full_attention, mlx-lm
+# (and the folders we write for it) mamba / attention.
+GRANITE_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "full_attention",
+                 "attention": "full_attention"}
+
+
+def granite_hybrid_layers(config: dict) -> list[str]:
+    kinds = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * config["num_hidden_layers"]
+    unknown = sorted({k for k in kinds if k not in GRANITE_KINDS})
+    if unknown:
+        raise UserError(f"granitemoehybrid layers of kind {unknown[0]!r} are not supported (mamba, attention)")
+    return [GRANITE_KINDS[k] for k in kinds]
+
+
+def granite_hybrid_args(config: dict) -> dict:
+    """Granite 4: Granite's multipliers, Mamba-2 and attention layers, each block's FFN a
+    mixture of experts (top-k logits softmaxed) plus a shared MLP every position takes, or
+    that MLP alone when the config has no experts; RoPE only when position_embedding_type says."""
+    D, heads = config["hidden_size"], config["mamba_n_heads"]
+    inner = int(config.get("mamba_expand", 2) * D)
+    head_dim = config.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else head_dim
+    shared = config.get("shared_intermediate_size", 1024)
+    n_experts = config.get("num_local_experts", 0) or 0
+    return {
+        **granite_args(config),
+        "position_embedding": "rope" if config.get("position_embedding_type") == "rope" else "none",
+        "layer_types": granite_hybrid_layers(config),
+        **moe_args(config, router_scoring="topk_softmax", moe_intermediate_size=config["intermediate_size"],
+                   shared_expert_intermediate_size=shared if n_experts else 0),
+        "intermediate_size": config["intermediate_size"] if n_experts else shared,
+        **mamba_fields(config, heads, head_dim, inner, mamba_state_size=config.get("mamba_d_state", 256),
+                       mamba_n_groups=config.get("mamba_n_groups", 1), mamba_conv_kernel=config.get("mamba_d_conv", 4),
+                       mamba_chunk_size=config.get("mamba_chunk_size", 256),
+                       mamba_proj_bias=config.get("mamba_proj_bias", False),
+                       mamba_out_proj_bias=config.get("mamba_proj_bias", False),
+                       mamba_conv_bias=config.get("mamba_conv_bias", True),
+                       mamba_norm_eps=config.get("rms_norm_eps", 1e-6)),
+    }
+
+
+GRANITE_EXPERTS = re.compile(r"(.*)\.block_sparse_moe\.(input_linear|output_linear)\.weight")
+GRANITE_SHARED = re.compile(r"(.*)\.shared_mlp\.(input_linear|output_linear)\.(weight|scales|biases)")
+
+
+def granite_hybrid_layout(weights: dict, config: dict) -> dict:
+    """Granite 4's Hugging Face tensors -> mlx-lm's: each layer's experts (E, 2F, D) gate rows
+    first, split into ``block_sparse_moe.switch_mlp.{gate,up,down}_proj``; without experts
+    the shared MLP is the dense ``mlp.{gate,up,down}_proj``. On-disk names pass through."""
+    dense = not config.get("num_local_experts")
+    out = {}
+    for name, tensor in conv_to_mlx_layout(weights).items():
+        experts, shared = GRANITE_EXPERTS.fullmatch(name), GRANITE_SHARED.fullmatch(name)
+        if experts is not None:
+            block, part = experts.groups()
+            if part == "output_linear":
+                out[f"{block}.block_sparse_moe.switch_mlp.down_proj.weight"] = tensor
+                continue
+            F = tensor.shape[1] // 2
+            out[f"{block}.block_sparse_moe.switch_mlp.gate_proj.weight"] = tensor[:, :F]
+            out[f"{block}.block_sparse_moe.switch_mlp.up_proj.weight"] = tensor[:, F:]
+        elif shared is not None and dense:
+            block, part, kind = shared.groups()
+            if part == "output_linear":
+                out[f"{block}.mlp.down_proj.{kind}"] = tensor
+                continue
+            F = tensor.shape[0] // 2
+            out[f"{block}.mlp.gate_proj.{kind}"], out[f"{block}.mlp.up_proj.{kind}"] = tensor[:F], tensor[F:]
+        else:
+            out[name] = tensor
+    return out
+
+
+def split_shared_mlp(weights: dict, args: ModelArgs) -> dict:
+    """The shared MLP's fused ``input_linear`` holds gate rows then up rows."""
+    F = args.shared_expert_intermediate_size
+    return split_rows(weights, "input_linear", {"gate_proj": F, "up_proj": F})
+
+
+GRANITE_HYBRID_RENAMES = (
+    (r"(.*)\.block_sparse_moe\.router\.layer\.(.*)", r"\1.mlp.gate.\2"),
+    (r"(.*)\.block_sparse_moe\.switch_mlp\.(.*)", r"\1.mlp.switch_mlp.\2"),
+    (r"(.*)\.shared_mlp\.input_linear\.(.*)", r"\1.mlp.shared_expert.input_linear.\2"),
+    (r"(.*)\.shared_mlp\.output_linear\.(.*)", r"\1.mlp.shared_expert.down_proj.\2"),
+)
+
+
+def granite_hybrid_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's granitemoehybrid reads the layer kinds as mamba / attention."""
+    return {"layer_types": ["mamba" if k == "mamba" else "attention" for k in granite_hybrid_layers(config)],
+            "time_step_limit": list(time_step_limit(config))}
 
 
 # Nemotron-H's layer kinds, as transformers 5 spells them (layers_block_type) and as the
@@ -169,6 +264,7 @@ def mamba2_mlx_lm_keys(config: dict) -> dict:
 STATE_SPACE_MLX_LM_KEYS = {
     "mamba2": mamba2_mlx_lm_keys,
     "nemotron_h": nemotron_h_mlx_lm_keys,
+    "granitemoehybrid": granite_hybrid_mlx_lm_keys,
 }
 
 # State-space families, by model_type.
@@ -177,4 +273,7 @@ STATE_SPACE: dict[str, Architecture] = {
                            layout=conv_to_mlx_layout),
     "nemotron_h": Architecture(args=nemotron_h_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
                                layout=conv_to_mlx_layout, drops=COMMON_DROPS + (r"mtp\..*",)),
+    "granitemoehybrid": Architecture(args=granite_hybrid_args, renames=GRANITE_HYBRID_RENAMES, rewrite=split_shared_mlp,
+                                     experts=granite_hybrid_layout,
+                                     routers=r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"),
 }
