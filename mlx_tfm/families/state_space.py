@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 
+import mlx.core as mx
+
 from ..errors import UserError
 from ..model.config import ModelArgs
-from .common import COMMON_DROPS, Architecture, activation, split_rows
-from .decoders import granite_args
+from .common import COMMON_DROPS, Architecture, activation, rope_settings, split_rows
+from .decoders import granite_args, llama_args
 from .experts import moe_args
 
 
@@ -167,6 +169,107 @@ def granite_hybrid_mlx_lm_keys(config: dict) -> dict:
             "time_step_limit": list(time_step_limit(config))}
 
 
+def falcon_h1_inner(config: dict) -> tuple[int, int, int]:
+    """(heads, head_dim, inner width) of Falcon-H1's Mamba-2 mixers."""
+    heads = config["mamba_n_heads"]
+    inner = config.get("mamba_d_ssm") or int(config.get("mamba_expand", 2) * config["hidden_size"])
+    head_dim = config.get("mamba_d_head", "auto")
+    return heads, (inner // heads if head_dim == "auto" else head_dim), inner
+
+
+def falcon_h1_args(config: dict) -> dict:
+    """Falcon-H1: each layer's attention and a Mamba-2 mixer read one normed input side by
+    side. Its muP multipliers are folded into the weights (``falcon_h1_layout``, as mlx-lm
+    stores them); what stays is the head's lm_head / embedding ratio where the head is tied."""
+    heads, head_dim, inner = falcon_h1_inner(config)
+    tied = config.get("tie_word_embeddings", False)
+    ratio = config.get("lm_head_multiplier", 1.0) / config.get("embedding_multiplier", 1.0)
+    return {
+        **llama_args(config),
+        "norm_eps": config.get("rms_norm_eps", 1e-5),
+        "attention_out_bias": config.get("attention_bias", False),
+        "mlp_bias": config.get("mlp_bias", False),
+        "tie_word_embeddings": tied,
+        "logit_scale": ratio if tied else 1.0,
+        "layer_types": ["full_attention"] * config["num_hidden_layers"],
+        "mamba_beside_attention": True,
+        **mamba_fields(config, heads, head_dim, inner, mamba_state_size=config.get("mamba_d_state", 256),
+                       mamba_n_groups=config.get("mamba_n_groups", 1), mamba_conv_kernel=config.get("mamba_d_conv", 4),
+                       mamba_chunk_size=config.get("mamba_chunk_size", 256),
+                       mamba_proj_bias=config.get("mamba_proj_bias", False),
+                       mamba_out_proj_bias=config.get("projectors_bias", False),
+                       mamba_conv_bias=config.get("mamba_conv_bias", True),
+                       mamba_gated_norm=config.get("mamba_rms_norm", False),
+                       mamba_norm_before_gate=config.get("mamba_norm_before_gate", True),
+                       mamba_norm_eps=config.get("rms_norm_eps", 1e-5)),
+    }
+
+
+def falcon_h1_mup_rows(config: dict) -> mx.array:
+    """in_proj's output rows (z, x, B, C, dt) each times its ``ssm_multipliers`` entry."""
+    heads, _, inner = falcon_h1_inner(config)
+    groups = config.get("mamba_n_groups", 1) * config.get("mamba_d_state", 256)
+    multipliers = config.get("ssm_multipliers") or [1.0] * 5
+    sizes = (inner, inner, groups, groups, heads)
+    return mx.concatenate([mx.full((size,), m, dtype=mx.float32) for size, m in zip(sizes, multipliers)])
+
+
+def falcon_h1_multipliers(config: dict) -> list[tuple[str, float | mx.array, float | mx.array]]:
+    """(tensor-name pattern, weight factor, bias factor): Falcon-H1's muP multipliers as
+    factors of the tensors they scale. Input scalings reach weights, not biases."""
+    attn_in, key = config.get("attention_in_multiplier", 1.0), config.get("key_multiplier", 1.0)
+    attn_out, ssm_in = config.get("attention_out_multiplier", 1.0), config.get("ssm_in_multiplier", 1.0)
+    ssm_out = config.get("ssm_out_multiplier", 1.0)
+    gate, down = config.get("mlp_multipliers") or [1.0, 1.0]
+    mup = falcon_h1_mup_rows(config)
+    return [
+        (r"model\.embed_tokens", config.get("embedding_multiplier", 1.0), 1.0),
+        (r"lm_head", config.get("lm_head_multiplier", 1.0), 1.0),
+        (r".*\.self_attn\.q_proj", attn_in, 1.0),
+        (r".*\.self_attn\.k_proj", attn_in * key, key),
+        (r".*\.self_attn\.v_proj", attn_in, 1.0),
+        (r".*\.self_attn\.o_proj", attn_out, attn_out),
+        (r".*\.mamba\.in_proj", ssm_in * mup[:, None], mup),
+        (r".*\.mamba\.out_proj", ssm_out, ssm_out),
+        (r".*\.feed_forward\.gate_proj", gate, gate),
+        (r".*\.feed_forward\.down_proj", down, down),
+    ]
+
+
+def falcon_h1_layout(weights: dict, config: dict) -> dict:
+    """Hugging Face Falcon-H1 -> mlx-lm's on-disk layout: every muP multiplier folded into
+    the tensor it scales (exactly: each is a scalar, or a factor per output row), the conv
+    in MLX's layout. A checkpoint already in that layout (its conv so) passes unchanged."""
+    conv = next((t for name, t in weights.items() if name.endswith("mamba.conv1d.weight")), None)
+    if conv is None or conv.shape[-1] == 1:
+        return weights
+    factors = falcon_h1_multipliers(config)
+    out = {}
+    for name, tensor in conv_to_mlx_layout(weights).items():
+        module, _, kind = name.rpartition(".")
+        for pattern, weight_factor, bias_factor in factors:
+            if re.fullmatch(pattern, module) and kind in ("weight", "bias"):
+                factor = weight_factor if kind == "weight" else bias_factor
+                tensor = (tensor.astype(mx.float32) * factor).astype(tensor.dtype)
+                break
+        out[name] = tensor
+    return out
+
+
+FALCON_H1_RENAMES = (
+    (r"(.*)\.feed_forward\.(.*)", r"\1.mlp.\2"),
+    (r"(.*)\.pre_ff_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),
+    (r"model\.final_layernorm\.(.*)", r"model.norm.\1"),
+)
+
+
+def falcon_h1_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's falcon_h1 defaults head_dim, rope_theta and mamba_d_ssm to its own model's."""
+    heads, head_dim, inner = falcon_h1_inner(config)
+    return {"head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            "rope_theta": rope_settings(config)["rope_theta"], "mamba_d_ssm": inner, "mamba_d_head": head_dim}
+
+
 # Nemotron-H's layer kinds, as transformers 5 spells them (layers_block_type) and as the
 # legacy hybrid_override_pattern letters do: M Mamba-2, * attention, - MLP.
 NEMOTRON_H_KINDS = {"linear_attention": "mamba", "full_attention": "full_attention", "mlp": "mlp",
@@ -265,6 +368,7 @@ STATE_SPACE_MLX_LM_KEYS = {
     "mamba2": mamba2_mlx_lm_keys,
     "nemotron_h": nemotron_h_mlx_lm_keys,
     "granitemoehybrid": granite_hybrid_mlx_lm_keys,
+    "falcon_h1": falcon_h1_mlx_lm_keys,
 }
 
 # State-space families, by model_type.
@@ -276,4 +380,5 @@ STATE_SPACE: dict[str, Architecture] = {
     "granitemoehybrid": Architecture(args=granite_hybrid_args, renames=GRANITE_HYBRID_RENAMES, rewrite=split_shared_mlp,
                                      experts=granite_hybrid_layout,
                                      routers=r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"),
+    "falcon_h1": Architecture(args=falcon_h1_args, renames=FALCON_H1_RENAMES, experts=falcon_h1_layout),
 }

@@ -127,6 +127,7 @@ class ModelArgs:
     mamba_norm_before_gate: bool = False
     mamba_norm_eps: float = 1e-5
     block_sublayers: tuple[str, ...] = ()  # per layer: "mixer+mlp" (() = every layer) | "mixer" | "mlp"
+    mamba_beside_attention: bool = False  # Falcon-H1: each attention layer has a Mamba-2 mixer beside it
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

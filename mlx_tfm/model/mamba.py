@@ -124,3 +124,41 @@ class Mamba2Mixer(nn.Module):
         y = y.reshape(batch, length, self.inner).astype(x.dtype)  # (B, L, I)
         y = self.norm(y, z) if "norm" in self else y * nn.silu(z)
         return self.out_proj(y)
+
+
+class ParallelCache:
+    """The cache of a layer whose attention has a Mamba-2 mixer beside it (Falcon-H1): the
+    attention's KV cache and the mixer's ``StateCache``, advancing together. Positions and
+    masks are the attention's; like any state, it cannot be trimmed (keep a ``copy``)."""
+
+    def __init__(self, attention, mamba: StateCache):
+        self.attention, self.mamba = attention, mamba
+
+    @property
+    def offset(self) -> int:
+        return self.attention.offset
+
+    def reserve(self, positions: int) -> None:
+        self.attention.reserve(positions)
+
+    def make_mask(self, length: int, window: int | None = None):
+        return self.attention.make_mask(length, window)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return self.mamba.trim(n)  # refused unless n == 0
+
+    def copy(self) -> "ParallelCache":
+        import copy
+
+        return ParallelCache(copy.deepcopy(self.attention), self.mamba.copy())
+
+    @property
+    def state(self) -> tuple:
+        return (self.attention.state, self.mamba.state)
+
+    @property
+    def nbytes(self) -> int:
+        return self.attention.nbytes + self.mamba.nbytes

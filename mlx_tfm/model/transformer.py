@@ -20,6 +20,7 @@ from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
 from .layers import MLP, gated_activation, make_norm
+from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
@@ -78,6 +79,10 @@ class TransformerBlock(nn.Module):
             setattr(self, kind.attribute, kind.build(args, layer_idx))
         if self.sublayers != "mixer":
             self.mlp = feed_forward(args, layer_idx)
+        if args.mamba_beside_attention:  # Falcon-H1: both read the same normed input
+            if self.placement != "pre" or self.mixer_name != "self_attn":
+                raise ValueError("a Mamba-2 mixer beside attention needs pre-norm attention layers")
+            self.mamba = Mamba2Mixer(args, layer_idx)
         for name in BLOCK_NORMS[self.placement] if self.sublayers == "mixer+mlp" else ("input_layernorm",):
             setattr(self, name, make_norm(args))
         if layer_idx == 0 and not args.first_layer_norm:
@@ -99,7 +104,7 @@ class TransformerBlock(nn.Module):
             return self.post_attention_layernorm(h + self.mlp(h))
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
-            h = settled(x + self._scaled(self.mixer(self.input_layernorm(x), mask, cache)))
+            h = settled(x + self._scaled(self._mixed(self.input_layernorm(x), mask, cache)))
             if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
                 h = settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
@@ -120,6 +125,14 @@ class TransformerBlock(nn.Module):
         """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``);
         None in an MLP-only block."""
         return self[self.mixer_name] if self.mixer_name is not None else None
+
+    def _mixed(self, normed: mx.array, mask, cache) -> mx.array:
+        """The mixer's output; with a Mamba-2 mixer beside the attention (Falcon-H1), both
+        read ``normed`` and their outputs add (``cache`` a ``ParallelCache``)."""
+        if "mamba" not in self or self.mixer_name == "mamba":
+            return self.mixer(normed, mask, cache)
+        attention_cache, state = (cache.attention, cache.mamba) if cache is not None else (None, None)
+        return self.mixer(normed, mask, attention_cache) + self.mamba(normed, None, state)
 
     def _one_sublayer(self, x: mx.array, mask, cache) -> mx.array:
         """A block of one sublayer, pre-norm: x + mixer(norm(x)), or x + mlp(norm(x)). An
@@ -288,7 +301,8 @@ class Model(nn.Module):
                 caches.append(layer.mixer.make_cache())
                 continue
             bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
-            caches.append(RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache())
+            cache = RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache()
+            caches.append(ParallelCache(cache, layer.mamba.make_cache()) if self.args.mamba_beside_attention else cache)
         return caches
 
 
