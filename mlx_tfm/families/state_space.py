@@ -76,6 +76,35 @@ def mamba2_args(config: dict) -> dict:
 
 
 
+def mamba_args(config: dict) -> dict:
+    """Mamba-1: every block a pre-norm Mamba-1 mixer (selective scan, layer type "mamba1")."""
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise UserError(f"mamba with hidden_act {config['hidden_act']!r} is not supported (silu only)")
+    if config.get("use_bcdt_rms") or config.get("model_type") == "falcon_mamba":
+        raise UserError("mamba with RMS-normed B, C and dt (falcon_mamba) is not supported")
+    n_layers, D = config["num_hidden_layers"], config["hidden_size"]
+    rank = config.get("time_step_rank", "auto")
+    return {
+        "model_type": "mamba",
+        "vocab_size": config["vocab_size"],
+        "hidden_size": D,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": 1,  # no attention layers
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "position_embedding": "none",
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "layer_types": ["mamba1"] * n_layers,
+        "block_sublayers": ["mixer"] * n_layers,
+        "mamba_inner_size": config.get("intermediate_size") or int(config.get("expand", 2) * D),
+        "mamba_dt_rank": -(-D // 16) if rank == "auto" else int(rank),
+        "mamba_state_size": config.get("state_size", 16),
+        "mamba_conv_kernel": config.get("conv_kernel", 4),
+        "mamba_proj_bias": config.get("use_bias", False),
+        "mamba_out_proj_bias": config.get("use_bias", False),
+        "mamba_conv_bias": config.get("use_conv_bias", True),
+    }
+
+
 # Granite 4's layer kinds: transformers 5 writes linear_attention / full_attention, mlx-lm
 # (and the folders we write for it) mamba / attention.
 GRANITE_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "full_attention",
@@ -336,7 +365,7 @@ def mixers_by_layer_kind(weights: dict, args: ModelArgs) -> dict:
             if args.block_sublayers[layer] == "mlp":
                 kind = "mlp"
             else:
-                kind = "mamba" if args.layer_types[layer] == "mamba" else "self_attn"
+                kind = "mamba" if args.layer_types[layer] in ("mamba", "mamba1") else "self_attn"
             name = f"model.layers.{layer}.{kind}.{match[2]}"
         out[name] = tensor
     return out
@@ -373,6 +402,8 @@ STATE_SPACE_MLX_LM_KEYS = {
 
 # State-space families, by model_type.
 STATE_SPACE: dict[str, Architecture] = {
+    "mamba": Architecture(args=mamba_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
+                          layout=conv_to_mlx_layout),
     "mamba2": Architecture(args=mamba2_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
                            layout=conv_to_mlx_layout),
     "nemotron_h": Architecture(args=nemotron_h_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,

@@ -126,6 +126,8 @@ class ModelArgs:
     mamba_gated_norm: bool = True  # False (Falcon-H1's mamba_rms_norm off): y * silu(z), no norm
     mamba_norm_before_gate: bool = False
     mamba_norm_eps: float = 1e-5
+    mamba_inner_size: int = 0  # Mamba-1 (layer type "mamba1"): the inner width
+    mamba_dt_rank: int = 0  # Mamba-1: dt's low-rank width (x_proj -> dt_proj)
     block_sublayers: tuple[str, ...] = ()  # per layer: "mixer+mlp" (() = every layer) | "mixer" | "mlp"
     mamba_beside_attention: bool = False  # Falcon-H1: each attention layer has a Mamba-2 mixer beside it
 

@@ -162,3 +162,84 @@ class ParallelCache:
     @property
     def nbytes(self) -> int:
         return self.attention.nbytes + self.mamba.nbytes
+
+
+# -- Mamba-1 (layer type "mamba1"): the selective scan with a decay per channel and state ---
+
+
+def selective_scan_chunk(decay: mx.array, inputs: mx.array, state: mx.array) -> mx.array:
+    """The states after each position of one chunk: decay and inputs (B, T, I, N), the
+    state before it (B, I, N) -> (B, T, I, N). ``state_t = decay_t * state_{t-1} + inputs_t``
+    unrolled in log2(T) doubling steps (each position combines with the one k back), which
+    only ever multiplies decays <= 1, so it stays stable at any chunk length."""
+    length, k = decay.shape[1], 1
+    while k < length:
+        earlier_inputs = mx.concatenate([mx.zeros_like(inputs[:, :k]), inputs[:, :-k]], axis=1)
+        earlier_decay = mx.concatenate([mx.ones_like(decay[:, :k]), decay[:, :-k]], axis=1)
+        inputs = inputs + decay * earlier_inputs
+        decay = decay * earlier_decay
+        k *= 2
+    return inputs + decay * state[:, None]
+
+
+def selective_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array, chunk_size: int,
+                   state: mx.array | None) -> tuple[mx.array, mx.array]:
+    """Mamba-1's scan: x and dt (B, L, I), A (I, N) (negative), B and C (B, L, N), state
+    (B, I, N) or None -> (y (B, L, I) without the D skip, the final state). A prompt is
+    scanned ``chunk_size`` positions at a time; one position is the recurrence's one step."""
+    batch, length, inner = x.shape
+    if state is None:
+        state = mx.zeros((batch, inner, A.shape[1]), dtype=mx.float32)
+    x, dt, B, C = (t.astype(mx.float32) for t in (x, dt, B, C))
+    ys = []
+    for start in range(0, length, chunk_size):
+        piece = slice(start, start + chunk_size)
+        decay = mx.exp(dt[:, piece, :, None] * A)  # (B, T, I, N)
+        inputs = (dt[:, piece] * x[:, piece])[..., None] * B[:, piece, None, :]  # (B, T, I, N)
+        states = selective_scan_chunk(decay, inputs, state)  # one position: the step form
+        ys.append((states @ C[:, piece, :, None])[..., 0])  # (B, T, I)
+        state = states[:, -1]
+    return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)), state
+
+
+class Mamba1Mixer(nn.Module):
+    """Mamba-1, as transformers' MambaMixer: in_proj -> (x, z); x -> causal conv -> silu;
+    x_proj(x) -> (dt low-rank, B, C); dt = softplus(dt_proj(dt)); the selective scan with
+    A = -exp(A_log) (I, N); + D x; times silu(z); out_proj. Cache: ``StateCache(2)``,
+    [conv_state (B, K - 1, I), ssm_state (B, I, N)]."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.inner, self.state_size = args.mamba_inner_size, args.mamba_state_size
+        self.dt_rank, self.conv_kernel, self.chunk_size = args.mamba_dt_rank, args.mamba_conv_kernel, args.mamba_chunk_size
+        D = args.hidden_size
+        self.in_proj = nn.Linear(D, 2 * self.inner, bias=args.mamba_proj_bias)
+        self.conv1d = CausalConv1d(self.inner, self.conv_kernel, args.mamba_conv_bias)
+        self.x_proj = nn.Linear(self.inner, self.dt_rank + 2 * self.state_size, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)
+        self.A_log = mx.log(mx.broadcast_to(mx.arange(1, self.state_size + 1, dtype=mx.float32), (self.inner, self.state_size)))
+        self.D = mx.ones((self.inner,))
+        self.out_proj = nn.Linear(self.inner, D, bias=args.mamba_out_proj_bias)
+
+    def make_cache(self) -> StateCache:
+        return StateCache(2)
+
+    def __call__(self, x: mx.array, mask=None, cache: StateCache | None = None) -> mx.array:
+        """x (B, L, D) -> (B, L, D); ``mask`` is unused (the scan is causal by construction)."""
+        hidden, z = mx.split(self.in_proj(x), 2, axis=-1)  # (B, L, I) each
+        keep = self.conv_kernel - 1
+        past = cache[0] if cache is not None and cache[0] is not None else mx.zeros(
+            (x.shape[0], keep, self.inner), dtype=hidden.dtype)
+        padded = mx.concatenate([past, hidden], axis=1)  # (B, K - 1 + L, I)
+        if cache is not None:
+            cache[0] = padded[:, padded.shape[1] - keep :]
+        hidden = nn.silu(self.conv1d(padded))
+        dt, B, C = mx.split(self.x_proj(hidden), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
+        dt = nn.softplus(self.dt_proj(dt).astype(mx.float32))  # (B, L, I)
+        A = -mx.exp(self.A_log.astype(mx.float32))
+        y, state = selective_scan(hidden, dt, A, B, C, self.chunk_size, cache[1] if cache is not None else None)
+        if cache is not None:
+            cache[1] = state
+            cache.advance(x.shape[1])
+        y = (y + hidden.astype(mx.float32) * self.D.astype(mx.float32)).astype(x.dtype)
+        return self.out_proj(y * nn.silu(z))

@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_map
 
 from mlx_tfm.model.config import ModelArgs
-from mlx_tfm.model.mamba import GatedRMSNorm, Mamba2Mixer
+from mlx_tfm.model.mamba import GatedRMSNorm, Mamba2Mixer, selective_scan
 from mlx_tfm.model.ssd import ssd_chunked, ssd_step
 from mlx_tfm.model.transformer import Model
 
@@ -201,3 +201,56 @@ def test_block_sublayers_are_checked():
         ModelArgs.from_dict({**MAMBA, "block_sublayers": ["mixer", "attention", "mlp"]})
     with pytest.raises(ValueError, match="block_sublayers has 2 entries for 3 layers"):
         ModelArgs.from_dict({**MAMBA, "block_sublayers": ["mixer", "mlp"]})
+
+
+# -- Mamba-1's selective scan (layer type "mamba1") ------------------------------------------
+
+
+def selective_inputs(length: int, batch: int = 2, inner: int = 6, state: int = 5, seed: int = 1):
+    """x and dt (B, L, I), A (I, N) < 0, B and C (B, L, N)."""
+    mx.random.seed(seed)
+    return (mx.random.normal((batch, length, inner)), mx.random.uniform(0.05, 0.8, (batch, length, inner)),
+            -mx.random.uniform(0.2, 3.0, (inner, state)), mx.random.normal((batch, length, state)),
+            mx.random.normal((batch, length, state)))
+
+
+def naive_selective_scan(x, dt, A, B, C) -> np.ndarray:
+    """state = exp(dt A) * state + dt x B (per channel and state), y = state C, in numpy."""
+    x, dt, A, B, C = (np.array(t, dtype=np.float64) for t in (x, dt, A, B, C))
+    state, ys = np.zeros((x.shape[0], *A.shape)), []
+    for t in range(x.shape[1]):
+        state = np.exp(dt[:, t, :, None] * A) * state + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        ys.append(state @ C[:, t, :, None])
+    return np.concatenate(ys, axis=-1).transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 8, 64])
+def test_selective_scan_chunks_equal_the_recurrence(chunk_size):
+    inputs = selective_inputs(19)
+    y, _ = selective_scan(*inputs, chunk_size, None)
+    np.testing.assert_allclose(np.array(y), naive_selective_scan(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_selective_scan_continues_from_its_state_and_gradients_agree():
+    x, dt, A, B, C = selective_inputs(12, batch=1)
+    y_full, state_full = selective_scan(x, dt, A, B, C, 5, None)
+    y_head, state = selective_scan(x[:, :7], dt[:, :7], A, B[:, :7], C[:, :7], 4, None)
+    steps = [y_head]
+    for t in range(7, 12):
+        y, state = selective_scan(x[:, t : t + 1], dt[:, t : t + 1], A, B[:, t : t + 1], C[:, t : t + 1], 4, state)
+        steps.append(y)
+    np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), np.array(y_full), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(state), np.array(state_full), atol=1e-5, rtol=1e-5)
+    weights = mx.random.normal(y_full.shape)
+    chunked = mx.grad(lambda *a: (selective_scan(*a, 4, None)[0] * weights).sum(), argnums=(0, 1, 2, 3, 4))
+    stepped = mx.grad(lambda *a: (selective_scan(*a, 1, None)[0] * weights).sum(), argnums=(0, 1, 2, 3, 4))
+    for name, g_chunked, g_step in zip("x dt A B C".split(), chunked(x, dt, A, B, C), stepped(x, dt, A, B, C)):
+        np.testing.assert_allclose(np.array(g_chunked), np.array(g_step), atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def test_mamba1_model_decodes_as_its_full_forward():
+    args = ModelArgs.from_dict({**MAMBA, "layer_types": ["mamba1"] * 3, "block_sublayers": ["mixer"] * 3,
+                                "mamba_inner_size": 64, "mamba_dt_rank": 4})
+    model = randomized(Model(args))
+    ids = mx.random.randint(0, 256, (2, 20))
+    np.testing.assert_allclose(np.array(decoded(model, ids, [6, 5])), np.array(model(ids)), atol=1e-5, rtol=1e-5)
