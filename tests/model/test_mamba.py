@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
+from mlx_tfm.errors import UserError
 from mlx_tfm.model.config import ModelArgs
-from mlx_tfm.model.mamba import GatedRMSNorm, Mamba2Mixer, selective_scan
+from mlx_tfm.model.mamba import GatedRMSNorm, Mamba2Mixer, ParallelCache, selective_scan
 from mlx_tfm.model.ssd import ssd_chunked, ssd_step
 from mlx_tfm.model.transformer import Model
 
@@ -194,6 +195,27 @@ def test_gated_norm_normalises_each_group(norm_before_gate):
     normed = (groups / np.sqrt((groups**2).mean(-1, keepdims=True) + 1e-6)).reshape(3, 8)
     expected = np.arange(1, 9) * (normed * gate if norm_before_gate else normed)
     np.testing.assert_allclose(np.array(norm(y, z)), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mamba_beside_attention_keeps_a_parallel_cache():
+    """Falcon-H1's layers: the attention's KV cache and the mixer's state advance together;
+    a copy is independent, and like any state the pair cannot be trimmed."""
+    args = ModelArgs.from_dict({**MAMBA, "mamba_beside_attention": True})
+    model = randomized(Model(args))
+    ids = mx.random.randint(0, 256, (1, 16))
+    np.testing.assert_allclose(np.array(decoded(model, ids, [5])), np.array(model(ids)), atol=1e-5, rtol=1e-5)
+    cache = model.make_cache()
+    assert all(isinstance(c, ParallelCache) for c in cache)
+    model(ids[:, :6], cache=cache)
+    snapshot = [c.copy() for c in cache]
+    after = model(ids[:, 6:7], cache=cache)
+    np.testing.assert_allclose(np.array(model(ids[:, 6:7], cache=snapshot)), np.array(after), atol=1e-6)
+    assert (cache[0].offset, snapshot[0].offset, cache[0].mamba.offset) == (7, 7, 7)
+    assert not cache[0].is_trimmable() and cache[0].trim(0) == 0
+    with pytest.raises(UserError, match="cannot be trimmed"):
+        cache[0].trim(1)
+    with pytest.raises(ValueError, match="a Mamba-2 mixer beside attention needs pre-norm attention layers"):
+        Model(ModelArgs.from_dict({**MAMBA, "mamba_beside_attention": True, "layer_types": ["mamba"] * 3}))
 
 
 def test_block_sublayers_are_checked():
