@@ -193,9 +193,13 @@ GRANITE_HYBRID_RENAMES = (
 
 
 def granite_hybrid_mlx_lm_keys(config: dict) -> dict:
-    """mlx-lm's granitemoehybrid reads the layer kinds as mamba / attention."""
-    return {"layer_types": ["mamba" if k == "mamba" else "attention" for k in granite_hybrid_layers(config)],
+    """mlx-lm's granitemoehybrid reads the layer kinds as mamba / attention, and without
+    experts sizes its dense MLP (our shared MLP) by intermediate_size."""
+    keys = {"layer_types": ["mamba" if k == "mamba" else "attention" for k in granite_hybrid_layers(config)],
             "time_step_limit": list(time_step_limit(config))}
+    if not config.get("num_local_experts"):
+        keys["intermediate_size"] = config.get("shared_intermediate_size", 1024)
+    return keys
 
 
 def falcon_h1_inner(config: dict) -> tuple[int, int, int]:

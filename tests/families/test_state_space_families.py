@@ -62,6 +62,21 @@ def test_cached_decoding_equals_a_full_forward(name, tmp_path):
     assert all(c.offset == 24 for c in cache)
 
 
+@pytest.mark.parametrize("name,overrides", [
+    ("granitemoehybrid", dict(num_local_experts=0)),  # the shared MLP alone: mlx-lm's dense mlp.* layout
+    ("mamba2", dict(chunk_size=4)),  # ten of our chunks; mlx-lm scans in its own
+    ("falcon_h1", dict(mamba_chunk_size=4)),
+], ids=["granite_dense", "mamba2", "falcon_h1"])
+def test_long_prompts_and_dense_granite_in_mlx_lm(name, overrides, tmp_path):
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    make_hf_model(name, tmp_path / "hf", **overrides)
+    convert(tmp_path / "hf", tmp_path / "mlx", **QUIET)
+    ours, _ = load_model(tmp_path / "mlx")
+    theirs, _ = mlx_lm_load_model(tmp_path / "mlx")
+    np.testing.assert_allclose(our_logits(ours, LONG_PROMPT), our_logits(theirs, LONG_PROMPT), atol=1e-4, rtol=0)
+
+
 def test_falcon_h1_folder_holds_folded_multipliers(tmp_path):
     """The converted folder is mlx-lm's layout: multipliers in the weights, conv in MLX's
     layout; converting it again leaves it as it is (nothing is folded twice)."""
