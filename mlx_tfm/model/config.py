@@ -111,6 +111,26 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # Mamba-2 (SSD) token mixers, layer type "mamba" (model/mamba.py, model/ssd.py), and blocks
+    # with one sublayer (Mamba-2's mixer-only blocks; Nemotron-H's mixer-only and MLP-only ones)
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0  # N, per group of B and C
+    mamba_n_groups: int = 1
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 256  # positions per chunk of the SSD scan over a prompt
+    mamba_proj_bias: bool = False  # in_proj
+    mamba_out_proj_bias: bool = False
+    mamba_conv_bias: bool = True
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt clipped to this range
+    mamba_gated_norm: bool = True  # False (Falcon-H1's mamba_rms_norm off): y * silu(z), no norm
+    mamba_norm_before_gate: bool = False
+    mamba_norm_eps: float = 1e-5
+    mamba_inner_size: int = 0  # Mamba-1 (layer type "mamba1"): the inner width
+    mamba_dt_rank: int = 0  # Mamba-1: dt's low-rank width (x_proj -> dt_proj)
+    block_sublayers: tuple[str, ...] = ()  # per layer: "mixer+mlp" (() = every layer) | "mixer" | "mlp"
+    mamba_beside_attention: bool = False  # Falcon-H1: each attention layer has a Mamba-2 mixer beside it
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""
@@ -133,7 +153,20 @@ class ModelArgs:
         if values["rope_layers"] and len(values["rope_layers"]) != n_layers:
             raise ValueError(f"rope_layers has {len(values['rope_layers'])} entries for {n_layers} layers")
         values.update(cls._expert_values(values))
+        values.update(cls._state_space_values(values, n_layers))
         return cls(**values)
+
+    @classmethod
+    def _state_space_values(cls, values: dict, n_layers: int) -> dict:
+        """Tuples for the list-valued Mamba fields (JSON gives lists), checked per layer."""
+        sublayers = tuple(values.get("block_sublayers", ()))
+        if sublayers and len(sublayers) != n_layers:
+            raise ValueError(f"block_sublayers has {len(sublayers)} entries for {n_layers} layers")
+        unknown = sorted(set(sublayers) - {"mixer+mlp", "mixer", "mlp"})
+        if unknown:
+            raise ValueError(f"unknown block_sublayers entry {unknown[0]!r} (mixer+mlp, mixer, mlp)")
+        limit = tuple(float(v) for v in values.get("mamba_time_step_limit", cls.mamba_time_step_limit))
+        return {"block_sublayers": sublayers, "mamba_time_step_limit": limit}
 
     @classmethod
     def _expert_values(cls, values: dict) -> dict:
@@ -156,6 +189,8 @@ class ModelArgs:
         d["layer_types"] = list(self.layer_types)
         d["rope_layers"] = list(self.rope_layers)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
+        d["block_sublayers"] = list(self.block_sublayers)
+        d["mamba_time_step_limit"] = list(self.mamba_time_step_limit)
         return d
 
 

@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs
+from .mamba import Mamba1Mixer, Mamba2Mixer
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -37,6 +38,8 @@ def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
 MIXERS: dict[str, MixerKind] = {
     "full_attention": MixerKind("self_attn", attention_mixer),
     "sliding_attention": MixerKind("self_attn", attention_mixer),
+    "mamba": MixerKind("mamba", Mamba2Mixer),  # Mamba-2's SSD (model/mamba.py)
+    "mamba1": MixerKind("mamba", Mamba1Mixer),  # Mamba-1's selective scan (model/mamba.py)
 }
 
 

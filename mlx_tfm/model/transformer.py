@@ -20,9 +20,11 @@ from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
 from .layers import MLP, gated_activation, make_norm
+from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
+from .state_cache import StateCache
 
 
 def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
@@ -66,11 +68,22 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"unknown norm_placement {self.placement!r} ({', '.join(BLOCK_NORMS)})")
         if not self.residual and self.placement not in ("pre", "post"):
             raise ValueError("residual=False is only defined for the pre and post placements")
-        kind = mixer_kind(args.layer_types[layer_idx])
-        self.mixer_name = kind.attribute
-        setattr(self, kind.attribute, kind.build(args, layer_idx))
-        self.mlp = feed_forward(args, layer_idx)
-        for name in BLOCK_NORMS[self.placement]:
+        # Mamba-2's and Nemotron-H's blocks hold one sublayer: a mixer or an MLP, one norm
+        self.sublayers = args.block_sublayers[layer_idx] if args.block_sublayers else "mixer+mlp"
+        if self.sublayers != "mixer+mlp" and self.placement != "pre":
+            raise ValueError("blocks with one sublayer are only defined for the pre-norm placement")
+        self.mixer_name = None
+        if self.sublayers != "mlp":
+            kind = mixer_kind(args.layer_types[layer_idx])
+            self.mixer_name = kind.attribute
+            setattr(self, kind.attribute, kind.build(args, layer_idx))
+        if self.sublayers != "mixer":
+            self.mlp = feed_forward(args, layer_idx)
+        if args.mamba_beside_attention:  # Falcon-H1: both read the same normed input
+            if self.placement != "pre" or self.mixer_name != "self_attn":
+                raise ValueError("a Mamba-2 mixer beside attention needs pre-norm attention layers")
+            self.mamba = Mamba2Mixer(args, layer_idx)
+        for name in BLOCK_NORMS[self.placement] if self.sublayers == "mixer+mlp" else ("input_layernorm",):
             setattr(self, name, make_norm(args))
         if layer_idx == 0 and not args.first_layer_norm:
             self.input_layernorm = nn.Identity()  # ModernBERT: the embeddings are normed already
@@ -81,6 +94,8 @@ class TransformerBlock(nn.Module):
             self.cross_attn_layernorm = make_norm(args)
 
     def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
+        if self.sublayers != "mixer+mlp":
+            return self._one_sublayer(x, mask, cache)
         if not self.residual:
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
@@ -89,7 +104,7 @@ class TransformerBlock(nn.Module):
             return self.post_attention_layernorm(h + self.mlp(h))
         if self.placement == "pre":
             # The residual stream as the seed draws it: each sublayer adds to x.
-            h = settled(x + self._scaled(self.mixer(self.input_layernorm(x), mask, cache)))
+            h = settled(x + self._scaled(self._mixed(self.input_layernorm(x), mask, cache)))
             if cross is not None:  # encoder-decoder: the decoder reads the encoder's output
                 h = settled(h + self.cross_attn(self.cross_attn_layernorm(h), None, cross))
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
@@ -106,9 +121,29 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     @property
-    def mixer(self) -> nn.Module:
-        """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``)."""
-        return self[self.mixer_name]
+    def mixer(self) -> nn.Module | None:
+        """The layer's token mixer: attention, or a recurrent kind (``mixers.MIXERS``);
+        None in an MLP-only block."""
+        return self[self.mixer_name] if self.mixer_name is not None else None
+
+    def _mixed(self, normed: mx.array, mask, cache) -> mx.array:
+        """The mixer's output; with a Mamba-2 mixer beside the attention (Falcon-H1), both
+        read ``normed`` and their outputs add (``cache`` a ``ParallelCache``)."""
+        if "mamba" not in self or self.mixer_name == "mamba":
+            return self.mixer(normed, mask, cache)
+        attention_cache, state = (cache.attention, cache.mamba) if cache is not None else (None, None)
+        return self.mixer(normed, mask, attention_cache) + self.mamba(normed, None, state)
+
+    def _one_sublayer(self, x: mx.array, mask, cache) -> mx.array:
+        """A block of one sublayer, pre-norm: x + mixer(norm(x)), or x + mlp(norm(x)). An
+        MLP-only block still counts the positions in its (empty) cache, so every layer's
+        cache holds the same offset."""
+        normed = self.input_layernorm(x)
+        if self.mixer_name is not None:
+            return x + self._scaled(self.mixer(normed, mask, cache))
+        if cache is not None:
+            cache.advance(x.shape[1])
+        return x + self._scaled(self.mlp(normed))
 
     def _scaled(self, y: mx.array) -> mx.array:
         return y * self.residual_scale if self.residual_scale != 1.0 else y
@@ -259,11 +294,15 @@ class Model(nn.Module):
         layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
         for layer, window in zip(self.layers, self.model.windows):
+            if layer.mixer is None:  # an MLP-only block: nothing to remember
+                caches.append(StateCache(0))
+                continue
             if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
                 caches.append(layer.mixer.make_cache())
                 continue
             bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
-            caches.append(RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache())
+            cache = RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache()
+            caches.append(ParallelCache(cache, layer.mamba.make_cache()) if self.args.mamba_beside_attention else cache)
         return caches
 
 
