@@ -111,6 +111,14 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; mlx_tfm/model/latent_attention.py):
+    # kv_lora_rank > 0 makes every attention layer MLA; q_lora_rank 0 = a plain q_proj
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""
