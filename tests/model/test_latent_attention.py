@@ -165,3 +165,32 @@ def test_quantized_per_head_matrices_in_both_forms():
     assert isinstance(mla.embed_q, QuantizedHeadLinear) and isinstance(mla.unembed_out, QuantizedHeadLinear)
     np.testing.assert_allclose(mla(x, "causal", absorbed=True), mla(x, "causal", absorbed=False), atol=1e-5, rtol=0)
     assert float(mx.abs(mla(x, "causal") - float_out).max()) < 0.1 * float(mx.abs(float_out).max())
+
+
+def test_the_engines_batched_cache_holds_latents_unchanged():
+    """Rows of different lengths, each first run alone, then a padded-free chunk read
+    together (a ``CausalRows`` mask, the expanded form) and decoded together (absorbed):
+    every row gets the logits of its own tokens run alone without a cache."""
+    from mlx_tfm.engine.batch_cache import BatchKVCache, layer_windows
+
+    model = tiny_model()
+    windows = layer_windows(model, None)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(3, 256, size=n).tolist() for n in (0, 6, 2)]
+    group = [BatchKVCache(w) for w in windows]
+    for seq in sequences:
+        row = [BatchKVCache.for_row(None, None, 0, w) for w in windows]
+        if seq:
+            model(mx.array(seq)[None], cache=row)
+        for layer_cache, joined in zip(group, row):
+            layer_cache.extend(joined)
+    chunk = rng.integers(3, 256, size=(3, 4))
+    logits = np.array(model(mx.array(chunk), cache=group)[:, -1])
+    for _ in range(3):
+        for i, seq in enumerate(sequences):
+            seq += chunk[i].tolist() if chunk.shape[1] > 1 else [int(chunk[i, 0])]
+            expected = np.array(model(mx.array(seq)[None])[0, -1])
+            np.testing.assert_allclose(logits[i], expected, atol=2e-4, rtol=1e-4)
+        chunk = rng.integers(3, 256, size=(3, 1))
+        logits = np.array(model(mx.array(chunk), cache=group)[:, -1])
+    assert group[0].keys.shape[-1] == LATENT and group[0].values.shape[-1] == ROPE
