@@ -15,10 +15,12 @@ split per head into a part without positions and a rotated part (``qk_rope_head_
 Two forms compute the same attention:
 - *expanded* (prompts): each head's keys and values are made from the cached latents,
   then ordinary attention, ``concat(q_nope, q_pe) . concat(k_nope, k_pe)``;
-- *absorbed* (decoding, and every read of a quantized cache): ``q_nope . (latent W_k)``
-  is ``(q_nope W_k^T) . latent``, so the query is folded into latent space
-  (``embed_q``), attention runs over the latents themselves, and ``W_v`` is applied once to
-  the weighted sum (``unembed_out``): no per-head keys or values are made.
+- *absorbed* (decoding): ``q_nope . (latent W_k)`` is ``(q_nope W_k^T) . latent``, so
+  the query is folded into latent space (``embed_q``), attention runs over the latents
+  themselves, and ``W_v`` is applied once to the weighted sum (``unembed_out``): no
+  per-head keys or values are made. A quantized cache is read as it is packed
+  (``mx.quantized_matmul``); a prompt chunk over one dequantizes the latents (one head,
+  R wide) for the expanded form, which costs less than the absorbed one for many queries.
 
 ``kv_b_proj`` is kept as mlx-lm keeps it, split per head: ``embed_q.weight`` (H, R, nope)
 and ``unembed_out.weight`` (H, v_head_dim, R) (``HeadLinear``), quantized along their last
@@ -146,8 +148,8 @@ class LatentAttention(nn.Module):
         self.scale = latent_softmax_scale(self.nope_dim + self.rope_dim, args.rope_scaling)
 
     def __call__(self, x: mx.array, mask=None, cache=None, absorbed: bool | None = None) -> mx.array:
-        """``absorbed``: None picks the absorbed form for one new position or a quantized
-        cache, the expanded one otherwise; True / False force it (both compute the same)."""
+        """``absorbed``: None picks the absorbed form for one new position, the expanded
+        one otherwise; True / False force it (both compute the same)."""
         B, L, _ = x.shape
         if isinstance(cache, QuantizedKVCache):
             check_latent_quantization(cache.quantization, (self.latent_dim, self.rope_dim))
@@ -157,10 +159,12 @@ class LatentAttention(nn.Module):
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         if absorbed is None:
-            absorbed = L == 1 or isinstance(latent, QuantizedKV)
+            absorbed = L == 1
         if absorbed:
             out = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
         else:
+            if isinstance(latent, QuantizedKV):
+                latent, k_pe = latent.dequantize(), k_pe.dequantize()
             out = self._expanded(q_nope, q_pe, latent, k_pe, mask)
         # (B, H, L, v_head_dim) -> (B, L, H * v_head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -202,7 +206,7 @@ class LatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
         """Attention in latent space: scores ``(q_nope W_k^T) . latent + q_pe . k_pe``, the
         weighted sum of latents, then ``W_v``. Reads a ``QuantizedKV`` cache as it is."""
-        L, S = q_nope.shape[2], k_pe_length(k_pe)
+        L, S = q_nope.shape[2], cached_length(k_pe)
         q_latent = self.embed_q(q_nope) * self.scale  # (B, H, L, R)
         scores = times_keys(q_latent, latent) + times_keys(q_pe * self.scale, k_pe)  # (B, H, L, S)
         weights = mx.softmax(masked(scores, visible(mask, L, S)), axis=-1, precise=True)
@@ -216,7 +220,7 @@ def widened(x: mx.array, width: int) -> mx.array:
     return x if extra == 0 else mx.concatenate([x, mx.zeros((*x.shape[:-1], extra), x.dtype)], axis=-1)
 
 
-def k_pe_length(keys) -> int:
+def cached_length(keys) -> int:
     return (keys.data if isinstance(keys, QuantizedKV) else keys).shape[2]
 
 

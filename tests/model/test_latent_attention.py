@@ -142,6 +142,18 @@ def test_quantized_cache_is_read_as_it_is():
     np.testing.assert_allclose(out, mla(x[:, 5:], None, float_cache), atol=2e-2, rtol=0)
 
 
+def test_a_prompt_chunk_over_a_quantized_cache_in_both_forms():
+    """The expanded form reads the dequantized latents, the absorbed one the packed ones:
+    the same numbers."""
+    mla = layer()
+    x = hidden(8)
+    caches = [QuantizedKVCache(KVQuantization(bits=4, start=0)) for _ in range(2)]
+    for cache in caches:
+        prefilled(mla, x[:, :5], cache)
+    expanded = mla(x[:, 5:], "causal", caches[0])
+    np.testing.assert_allclose(expanded, mla(x[:, 5:], "causal", caches[1], absorbed=True), atol=1e-5, rtol=0)
+
+
 def test_quantized_cache_after_a_float_start_matches_the_float_prefix():
     """Before ``start`` the quantized cache is a float one: the same numbers."""
     mla = layer()
