@@ -104,7 +104,8 @@ def per_head_kv_b(weights: dict, n_heads: int, nope_dim: int, latent_dim: int) -
             out[name] = tensor
         elif name.endswith(".weight"):
             prefix = name.removesuffix(".kv_b_proj.weight")
-            matrix = float_kv_b(weights, name.removesuffix(".weight"), latent_dim)
+            like = weights[f"{prefix}.kv_a_layernorm.weight"].dtype  # the layer's float type (norms stay float)
+            matrix = float_kv_b(weights, name.removesuffix(".weight"), latent_dim).astype(like)
             per_head = matrix.reshape(n_heads, -1, matrix.shape[-1])  # (H, nope + v, R)
             out[f"{prefix}.embed_q.weight"] = mx.contiguous(per_head[:, :nope_dim].swapaxes(-1, -2))
             out[f"{prefix}.unembed_out.weight"] = mx.contiguous(per_head[:, nope_dim:])
@@ -113,13 +114,14 @@ def per_head_kv_b(weights: dict, n_heads: int, nope_dim: int, latent_dim: int) -
 
 def float_kv_b(weights: dict, base: str, latent_dim: int) -> mx.array:
     """``base``.weight (out, latent_dim) as a float matrix; packed affine numbers are read
-    with the bits and group size their shapes imply (as mlx-lm infers them)."""
+    with the bits and group size their shapes imply (as mlx-lm infers them), in float32
+    (exact: the scales may be float16 where the model is float32, as GGUF's are)."""
     weight = weights[f"{base}.weight"]
     if f"{base}.scales" not in weights:
         return weight
-    scales, biases = weights[f"{base}.scales"], weights.get(f"{base}.biases")
+    scales, biases = (weights[f"{base}.{kind}"].astype(mx.float32) for kind in ("scales", "biases"))
     bits, group_size = weight.shape[-1] * 32 // latent_dim, latent_dim // scales.shape[-1]
-    return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits).astype(scales.dtype)
+    return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
 
 
 def split_kv_b_on_disk(weights: dict, config: dict) -> dict:

@@ -60,9 +60,10 @@ def add_hparams(writer, config: dict) -> None:
     writer.add_expert_shared_count(config["n_shared_experts"])
     writer.add_expert_weights_scale(config["routed_scaling_factor"])
     writer.add_expert_weights_norm(config["norm_topk_prob"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_group_count(config["n_group"])
-    writer.add_expert_group_used_count(config["topk_group"])
+    sigmoid = config["model_type"] == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(config.get("n_group") or 1)
+    writer.add_expert_group_used_count(config.get("topk_group") or 1)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -98,7 +99,9 @@ def llama_cpp_tensors(config: dict, weights: dict, split_kv_b: bool) -> dict[str
     return tensors
 
 
-def write_deepseek2_gguf(hf_folder, path, split_kv_b: bool) -> None:
+def write_deepseek2_gguf(hf_folder, path, split_kv_b: bool, matrix_type: str = "F32", decoded: bool = False) -> None:
+    """``matrix_type`` (F32, Q8_0...): the attention's matrices, whose rows fit its blocks;
+    ``decoded``: those blocks written back as float32, as gguf's own decoder reads them."""
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
@@ -112,8 +115,16 @@ def write_deepseek2_gguf(hf_folder, path, split_kv_b: bool) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
+    qtype = gguf.GGMLQuantizationType[matrix_type]
     for name, w in llama_cpp_tensors(config, weights, split_kv_b).items():
-        writer.add_tensor(name, w)
+        if w.ndim >= 2 and matrix_type != "F32" and w.shape[-1] % 32 == 0 and ".attn_" in name:
+            blocks = gguf.quants.quantize(w, qtype)
+            if decoded:
+                writer.add_tensor(name, gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+            else:
+                writer.add_tensor(name, blocks, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,13 +132,30 @@ def write_deepseek2_gguf(hf_folder, path, split_kv_b: bool) -> None:
 
 
 @pytest.mark.parametrize("case, split_kv_b", [("deepseek_v3", False), ("deepseek_v3", True),
-                                               ("deepseek_v3_yarn", True)])
+                                               ("deepseek_v3_yarn", True), ("deepseek_v2", False)])
 def test_deepseek2_gguf_matches_transformers(case, split_kv_b, tmp_path):
     hf = make_hf_model(case, tmp_path / "hf")
     write_deepseek2_gguf(tmp_path / "hf", tmp_path / "model.gguf", split_kv_b)
     convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3"
+    assert config["model_type"] == ("deepseek_v2" if case == "deepseek_v2" else "deepseek_v3")
     model, _ = load_model(tmp_path / "out")
     ours = np.array(model(mx.array([IDS]))[0])
     np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("split_kv_b", [False, True])
+def test_deepseek2_gguf_q8_0_blocks(split_kv_b, tmp_path):
+    """Q8_0 attention matrices (attn_k_b's per-head blocks too) are carried over as 8-bit
+    groups, a whole attn_kv_b dequantized once on loading (into embed_q, unembed_out): the
+    logits of the file as gguf decodes it."""
+    make_hf_model("deepseek_v3", tmp_path / "hf")
+    for decoded in (False, True):
+        write_deepseek2_gguf(tmp_path / "hf", tmp_path / f"{decoded}.gguf", split_kv_b, "Q8_0", decoded)
+        convert(tmp_path / f"{decoded}.gguf", tmp_path / f"out-{decoded}", dtype="float32", **QUIET)
+    assert json.loads((tmp_path / "out-False" / "config.json").read_text())["quantization"]["bits"] == 8
+    weights = mx.load(str(tmp_path / "out-False" / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_b_proj.weight"].dtype == mx.uint32
+    assert (weights["model.layers.0.self_attn.embed_q.weight"].dtype == mx.uint32) == split_kv_b
+    logits = [np.array(load_model(tmp_path / f"out-{decoded}")[0](mx.array([IDS]))[0]) for decoded in (False, True)]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4, rtol=0)
