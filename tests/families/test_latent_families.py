@@ -94,3 +94,17 @@ def test_unsupported_routing_is_refused_in_one_line(name, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         model_args_from_config(config)
     assert "\n" not in str(error.value)
+
+
+def test_bfloat16_folder_caches_bfloat16_latents(tmp_path):
+    """The latents are cached in the model's dtype (half the bytes of float32), and the
+    bfloat16 model's logits stay near the float32 model's."""
+    make_hf_model("deepseek_v3", tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "f32", **QUIET)
+    convert(tmp_path / "hf", tmp_path / "bf16", dtype="bfloat16", **QUIET)
+    (half, _), (full, _) = load_model(tmp_path / "bf16"), load_model(tmp_path / "f32")
+    cache = half.make_cache()
+    logits = half(mx.array([PROMPT]), cache=cache)
+    assert cache[0].state[0].dtype == mx.bfloat16 and cache[0].state[1].dtype == mx.bfloat16
+    reference = our_logits(full, PROMPT)
+    assert np.abs(np.array(logits[0].astype(mx.float32)) - reference).max() < 0.05 * np.abs(reference).max()
