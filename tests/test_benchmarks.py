@@ -20,8 +20,11 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True}
 
 
-def test_the_benchmarks_are_there():
-    assert len(SCRIPTS) == 10, SCRIPTS
+def test_the_benchmarks_are_there_and_documented():
+    assert len(SCRIPTS) >= 10, SCRIPTS
+    docs = " ".join(page.read_text() for page in (BENCHMARKS.parents[1] / "docs").glob("*.md"))
+    undocumented = [script for script in SCRIPTS if script not in docs]
+    assert not undocumented, f"no page in docs/ says what {undocumented} measure"
     assert not list(BENCHMARKS.parent.glob("benchmark_*.py")), "benchmarks live in examples/benchmarks/"
 
 

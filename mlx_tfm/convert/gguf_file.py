@@ -211,6 +211,51 @@ def qwen3moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- DeepSeek-V2/V3 (llama.cpp's deepseek2; Kimi K2, Moonlight): multi-head latent attention --
+# llama.cpp's converter keeps kv_b_proj (attn_kv_b) or, in newer files, splits it per head
+# into attn_k_b (H, R, nope) and attn_v_b (H, v, R): our embed_q and unembed_out as they are.
+DEEPSEEK2_NAMES = EMBEDDING_AND_HEAD + PRE_NORMS + GATED_MLP + tuple(per_layer(g, h) for g, h in [
+    ("attn_q", "self_attn.q_proj"), ("attn_q_a", "self_attn.q_a_proj"), ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"), ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"), ("attn_kv_b", "self_attn.kv_b_proj"),
+    ("attn_k_b", "self_attn.embed_q"), ("attn_v_b", "self_attn.unembed_out"), ("attn_output", "self_attn.o_proj"),
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+]) + (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),
+      ) + expert_names("mlp", QWEN_EXPERT_PROJECTIONS)
+
+
+def deepseek2_keys(get, base: dict, tensors: dict) -> dict:
+    """Sigmoid gating (expert_gating_func 2) is DeepSeek-V3's router, softmax V2's. Newer
+    files give the per-head widths as key_length_mla / value_length_mla (key_length then
+    being the cached latent's) and one KV head; the query heads are what MLA has."""
+    rope_dim = int(get("rope.dimension_count"))
+    key_length = int(get("attention.key_length_mla") or get("attention.key_length"))
+    sigmoid = int(get("expert_gating_func") or 1) == 2
+    n_group = int(get("expert_group_count") or 1)
+    return {
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": base["num_attention_heads"],
+        "q_lora_rank": int(get("attention.q_lora_rank") or 0) or None,
+        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": key_length - rope_dim,
+        "v_head_dim": int(get("attention.value_length_mla") or get("attention.value_length")),
+        "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count") or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm") or False),
+        "n_group": n_group,
+        "topk_group": int(get("expert_group_used_count") or 1),
+        "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
+        "rope_interleave": True,  # llama.cpp's deepseek2 rotates adjacent pairs, as the checkpoints
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -232,6 +277,7 @@ GGUF_ARCHITECTURES = {
     "granite": GGUFArchitecture("granite", "GraniteForCausalLM", config=granite_keys, permuted_qk=True),
     "smollm3": GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),  # every 4th layer unrotated
     "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
+    "deepseek2": GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_NAMES, deepseek2_keys),
 }
 
 
@@ -315,6 +361,8 @@ def rope_scaling(get) -> dict | None:
         for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
             if get(key) is not None:
                 scaling[hf_key] = float(get(key))
+        if get("rope.scaling.yarn_log_multiplier"):  # deepseek2: 0.1 * mscale_all_dim (mscale the same)
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
         return scaling
     raise UserError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn)")
 
@@ -448,7 +496,7 @@ def check_experts(tensors: dict, config: dict, path: Path) -> None:
     n_experts = num_experts_of(config)
     if not n_experts:
         return
-    for layer in range(config["num_hidden_layers"]):
+    for layer in range(config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]):  # dense ones first
         for projection in ("ffn_gate", "ffn_up", "ffn_down"):
             check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
 

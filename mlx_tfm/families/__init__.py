@@ -24,10 +24,11 @@ from .common import Architecture
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
+from .latent import LATENT
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE}
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT}
 
 
 def architecture_for(config: dict) -> Architecture:

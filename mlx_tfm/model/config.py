@@ -130,6 +130,13 @@ class ModelArgs:
     mamba_dt_rank: int = 0  # Mamba-1: dt's low-rank width (x_proj -> dt_proj)
     block_sublayers: tuple[str, ...] = ()  # per layer: "mixer+mlp" (() = every layer) | "mixer" | "mlp"
     mamba_beside_attention: bool = False  # Falcon-H1: each attention layer has a Mamba-2 mixer beside it
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; mlx_tfm/model/latent_attention.py):
+    # kv_lora_rank > 0 makes every attention layer MLA; q_lora_rank 0 = a plain q_proj
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

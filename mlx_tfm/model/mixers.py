@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs
+from .latent_attention import LatentAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -32,6 +33,8 @@ class MixerKind:
 
 
 def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
+    if args.kv_lora_rank:  # DeepSeek's multi-head latent attention: a compressed KV cache
+        return LatentAttention(args, layer_idx)
     return Attention(args, layer_idx)
 
 
