@@ -21,12 +21,13 @@ import re
 from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import Architecture
+from .convolutions import CONVOLUTIONS
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS}
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **CONVOLUTIONS}
 
 
 def architecture_for(config: dict) -> Architecture:

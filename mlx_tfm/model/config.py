@@ -111,6 +111,11 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # short convolutions (LFM2's "conv" layers, mlx_tfm/model/short_conv.py): a causal
+    # depthwise convolution over the last conv_L_cache positions, gated before and after
+    conv_L_cache: int = 3
+    conv_bias: bool = False  # in_proj, the convolution and out_proj carry biases
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""
