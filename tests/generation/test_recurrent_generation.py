@@ -1,0 +1,131 @@
+"""Recurrent layers (StateCache) through generation: chunked prefill, prompt-cache files,
+--max-kv-size and --kv-bits touching only attention layers, TokenCache reuse and its
+snapshots, and chat keeping the state between turns (/undo, regenerate). Every check
+compares with the same model decoding greedily with no cache at all."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from fixtures.model_folders import with_chat_template
+from fixtures.recurrent_models import tiny_lfm2, uncached_greedy_tokens
+
+from mlx_tfm.chat.conversation import ChatSession, Settings
+from mlx_tfm.errors import UserError
+from mlx_tfm.generation.step import generate_step
+from mlx_tfm.generation.token_cache import TokenCache
+from mlx_tfm.model.cache import KVQuantization, KVCache, QuantizedKVCache, RotatingKVCache, quantized_layers
+from mlx_tfm.model.state_cache import StateCache
+from mlx_tfm.tokenizer import load_tokenizer
+
+PROMPT = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 18, 140, 42, 11]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_lfm2()
+
+
+def decode(model, prompt, n, cache=None, **kwargs) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache, **kwargs)
+    return [token for token, _ in steps]
+
+
+@pytest.mark.parametrize("step", [1, 3, 512])
+def test_chunked_prefill_folds_into_the_state(model, step):
+    assert decode(model, PROMPT, 10, prefill_step_size=step) == uncached_greedy_tokens(model, PROMPT, 10)
+
+
+def test_max_kv_size_bounds_only_the_attention_layers(model):
+    cache = model.make_cache(max_kv_size=4)
+    assert [type(c) for c in cache] == [StateCache, RotatingKVCache, StateCache]
+    assert len(decode(model, PROMPT * 20, 5, cache=cache)) == 5  # past max_position_embeddings: bounded
+
+
+def test_kv_bits_quantizes_only_the_attention_layers():
+    model = tiny_lfm2(num_attention_heads=1, num_key_value_heads=1)  # head_dim 32: one quantization group
+    cache = quantized_layers(model.make_cache(), KVQuantization(8, 32, 0))
+    assert [type(c) for c in cache] == [StateCache, QuantizedKVCache, StateCache]
+    assert len(decode(model, PROMPT, 4, cache=cache)) == 4
+
+
+def test_a_prompt_cache_file_round_trips_the_state(model, tmp_path):
+    cache = TokenCache(model)
+    feed = cache.feed_to_snapshot(cache.prepare(PROMPT))
+    assert feed == PROMPT[-1:] and cache.tokens == PROMPT[:-1]
+    cache.save(tmp_path / "prompt.safetensors")
+    loaded = TokenCache.load(tmp_path / "prompt.safetensors", model)
+    assert [type(c) for c in loaded.layers] == [StateCache, KVCache, StateCache]
+    assert loaded.layers[0].offset == len(PROMPT) - 1
+    assert decode(model, loaded.prepare(PROMPT), 8, cache=loaded.layers) == uncached_greedy_tokens(model, PROMPT, 8)
+
+
+def test_a_prompt_cache_file_of_another_layout_is_refused(model, tmp_path):
+    cache = TokenCache(model)
+    cache.feed_to_snapshot(PROMPT)
+    cache.save(tmp_path / "prompt.safetensors")
+    attention_only = tiny_lfm2(layer_types=["full_attention"] * 3)
+    with pytest.raises(UserError, match=r"prompt.safetensors holds a recurrent state for layer 0, but this model's "
+                                        r"layer 0 keeps keys and values"):
+        TokenCache.load(tmp_path / "prompt.safetensors", attention_only)
+
+
+def test_prepare_reuses_a_state_only_when_the_target_extends_it(model):
+    cache = TokenCache(model)
+    decode(model, cache.prepare(PROMPT[:6]), 0, cache=cache.layers)  # feeds all 6
+    cache.record(PROMPT[:6])
+    assert cache.prepare(PROMPT) == PROMPT[6:]  # extends: only the rest is fed
+    assert cache.prepare(PROMPT[:3] + [7, 7, 7]) == PROMPT[:3] + [7, 7, 7]  # diverges, no snapshot: from scratch
+    assert cache.tokens == [] and cache.layers[0].offset == 0
+
+
+def test_prepare_goes_back_to_the_longest_snapshot_in_the_common_prefix(model):
+    cache = TokenCache(model)
+    for piece in (PROMPT[:4], PROMPT[4:9], PROMPT[9:]):
+        decode(model, piece, 0, cache=cache.layers)
+        cache.record(piece)
+        cache.snapshot()
+    other = PROMPT[:11] + [99, 98]
+    feed = cache.prepare(other)
+    assert feed == other[9:] and cache.tokens == PROMPT[:9] and cache.layers[1].offset == 9
+    assert decode(model, feed, 6, cache=cache.layers) == uncached_greedy_tokens(model, other, 6)
+    assert sorted(cache.snapshots) == [4, 9]
+
+
+def test_copy_keeps_the_state_apart(model):
+    cache = TokenCache(model)
+    decode(model, PROMPT, 0, cache=cache.layers)
+    cache.record(PROMPT)
+    twin = cache.copy()
+    decode(model, [1, 2, 3], 0, cache=twin.layers)
+    assert cache.layers[0].offset == len(PROMPT) and twin.layers[0].offset == len(PROMPT) + 3
+
+
+# -- chat ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat(stories_hf, tmp_path_factory):
+    folder = with_chat_template(stories_hf, tmp_path_factory.mktemp("chat") / "model")
+    return tiny_lfm2(vocab_size=512), load_tokenizer(folder)
+
+
+def uncached_answer(model, tokenizer, messages, n) -> str:
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    tokens = uncached_greedy_tokens(model, prompt, n)
+    eos = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]
+    return tokenizer.decode(tokens[: eos[0]] if eos else tokens)
+
+
+def test_chat_keeps_the_state_between_turns_and_undo_regenerates(chat):
+    model, tokenizer = chat
+    session = ChatSession(model, tokenizer, Settings(max_tokens=8), on_notice=lambda text: None)
+    first = "".join(session.answer("Once upon a time"))
+    assert first == uncached_answer(model, tokenizer, session.conversation.messages()[:1], 8)
+    second = "".join(session.answer("What then?"))
+    assert session.last_stats.new_prompt_tokens < len(session.render(session.conversation.messages()[:3]))
+    assert second == uncached_answer(model, tokenizer, session.conversation.messages()[:3], 8)
+    assert session.undo()
+    assert "".join(session.answer("What then?")) == second  # regenerated from the snapshot
+    assert session.last_stats.new_prompt_tokens < 20
+    assert {c.offset for c in session.cache.layers} == {len(session.cache.tokens)}
