@@ -5,6 +5,8 @@ compares with the same model decoding greedily with no cache at all."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from fixtures.model_folders import with_chat_template
@@ -129,3 +131,55 @@ def test_chat_keeps_the_state_between_turns_and_undo_regenerates(chat):
     assert "".join(session.answer("What then?")) == second  # regenerated from the snapshot
     assert session.last_stats.new_prompt_tokens < 20
     assert {c.offset for c in session.cache.layers} == {len(session.cache.tokens)}
+
+
+# -- speculative decoding ------------------------------------------------------------------
+
+
+def speculative(model, drafter, prompt, n, k=3, cache=None):
+    from mlx_tfm.generation.speculative import speculative_generate_step
+
+    steps = speculative_generate_step(mx.array(prompt), model, drafter, num_draft_tokens=k, max_tokens=n,
+                                      prompt_cache=cache)
+    return [token for token, _ in steps]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_recurrent_draft_model_gives_plain_greedy_tokens(model, k):
+    from mlx_tfm.generation.speculative import DraftModel
+
+    draft = tiny_lfm2(seed=3)  # another model: many of its guesses are rejected
+    drafter = DraftModel(draft, draft.make_cache(), model.args.vocab_size)
+    assert speculative(model, drafter, PROMPT, 16, k) == uncached_greedy_tokens(model, PROMPT, 16)
+    # rejections happen: the draft's own greedy text is not the model's
+    assert uncached_greedy_tokens(draft, PROMPT, 16) != uncached_greedy_tokens(model, PROMPT, 16)
+
+
+def test_the_model_itself_as_draft_keeps_every_guess(model):
+    from mlx_tfm.generation.speculative import DraftModel
+
+    drafter = DraftModel(model, model.make_cache(), model.args.vocab_size)
+    assert speculative(model, drafter, PROMPT, 12) == uncached_greedy_tokens(model, PROMPT, 12)
+
+
+def test_prompt_lookup_on_a_recurrent_model_gives_plain_greedy_tokens(model):
+    from mlx_tfm.generation.speculative import PromptLookup
+
+    prompt = PROMPT + PROMPT[:6] + PROMPT  # repeats: lookup finds guesses, some wrong
+    assert speculative(model, PromptLookup(), prompt, 16, k=4) == uncached_greedy_tokens(model, prompt, 16)
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 5])
+def test_a_closed_speculative_run_leaves_prompt_and_yielded_tokens(model, stop_after):
+    from mlx_tfm.generation.speculative import PromptLookup, speculative_generate_step
+
+    prompt = PROMPT + PROMPT
+    cache = model.make_cache()
+    steps = speculative_generate_step(mx.array(prompt), model, PromptLookup(), num_draft_tokens=4, max_tokens=20,
+                                      prompt_cache=cache)
+    yielded = [token for token, _ in itertools.islice(steps, stop_after)]
+    steps.close()
+    assert {c.offset for c in cache} == {len(prompt) + stop_after}
+    logits = model(mx.array([[7]]), cache=cache)[0, -1]
+    fresh = model(mx.array([prompt + yielded + [7]]))[0, -1]
+    assert mx.allclose(logits, fresh, atol=1e-4).item()
