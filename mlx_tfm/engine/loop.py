@@ -35,6 +35,7 @@ from ..errors import UserError
 from ..generation.step import check_vocabulary, encode_prompt
 from ..generation.token_cache import TokenCache
 from .batch_cache import BatchCache, batch_caches
+from .batch_state_cache import BatchStateCache  # noqa: F401  (registers the batched cache of recurrent layers)
 from .decode import DecodePipeline
 from .outputs import Outputs
 from .prefix_cache import PrefixCache
