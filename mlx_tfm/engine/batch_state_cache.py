@@ -103,7 +103,18 @@ class BatchStateCache(BatchCache):
         return sum(a.nbytes for a in self.arrays if a is not None)
 
 
+def row_states(caches: list[BatchCache], row: int) -> dict[int, StateCache]:
+    """Row ``row``'s recurrent layers (layer index -> its state as a single-sequence
+    ``StateCache``): a snapshot of them where the row is now."""
+    states = {}
+    for i, layer in enumerate(caches):
+        if isinstance(layer, BatchStateCache):
+            states[i] = StateCache(len(layer.arrays))
+            layer.export_row(row, states[i])
+    return states
+
+
 register_batch_cache(StateCache, lambda layer: BatchStateCache(len(layer.arrays)))
 
 
-__all__ = ["BatchStateCache"]
+__all__ = ["BatchStateCache", "row_states"]

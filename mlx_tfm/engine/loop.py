@@ -236,7 +236,9 @@ class Engine:
         for batched, single in zip(caches, layers):
             batched.export_row(index, single)
         mx.eval([layer.state for layer in layers])
-        self.prefix_cache.insert(TokenCache(self.model, self.max_kv_size, layers, row.tokens[:fed]))
+        entry = TokenCache(self.model, self.max_kv_size, layers, row.tokens[:fed])
+        entry.snapshots = {n: states for n, states in row.snapshots.items() if n < fed}  # recurrent layers
+        self.prefix_cache.insert(entry)
 
 
 def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | list[int] = 256,

@@ -93,7 +93,9 @@ class TokenCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of the layers and of the recurrent layers' snapshots."""
+        snapshots = sum(state.nbytes for states in self.snapshots.values() for state in states.values())
+        return sum(layer.nbytes for layer in self.layers) + snapshots
 
     def reset(self) -> None:
         self.layers = self._new_layers()
@@ -124,6 +126,31 @@ class TokenCache:
         self.record(feed[:-1])
         self.snapshot()
         return list(feed[-1:])
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix, of at most ``length`` tokens, that a new sequence can start
+        from these layers: any when every layer can be cut short; with recurrent layers
+        only a position where their state is at hand (a snapshot, or the end)."""
+        if not self.has_states():
+            return length
+        return max((n for n in (*self.snapshots, len(self.tokens)) if n <= length), default=0)
+
+    def layers_at(self, position: int) -> list:
+        """Layers to read the first ``position`` tokens from (``position`` resumable): the
+        attention layers as they are (a reader takes only their first positions) and each
+        recurrent layer's state at ``position``."""
+        if position == len(self.tokens) or not self.has_states():
+            return self.layers
+        saved = self.snapshots[position]
+        return [saved.get(i, layer) for i, layer in enumerate(self.layers)]
+
+    def absorb(self, other: "TokenCache") -> None:
+        """Keep the recurrent states of ``other``, whose tokens are a prefix of ours, as
+        snapshots here (its own snapshots too), so that its positions stay resumable."""
+        if not self.has_states():
+            return
+        states = {i: layer for i, layer in enumerate(other.layers) if isinstance(layer, StateCache)}
+        self.snapshots = {**other.snapshots, len(other.tokens): states, **self.snapshots}
 
     def rewind(self, length: int) -> int:
         """Hold at most the first ``length`` tokens: exactly ``length`` where every layer

@@ -113,3 +113,27 @@ def test_rows_stack_select_and_export_as_single_states():
     assert out.offset == 7 and out[0].shape == (1, 2, 4) and picked.holds_all(1, 7)
     with pytest.raises(ValueError, match="never padded"):
         a.drop_padding([0, 2])
+
+
+def test_the_prefix_cache_resumes_a_state_at_the_longest_snapshot_inside_the_prefix(lfm2, monkeypatch):
+    from mlx_tfm.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "SNAPSHOT_INTERVAL", 4)
+    model, tokenizer = lfm2
+    engine = Engine(model, tokenizer, prefill_step_size=64)
+    events = Events()
+    first = [1, 5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 18, 140]  # snapshots at 4, 8 and 12 (its prompt's end)
+    engine.submit(Request(first, 4), events("first"))
+    while engine.step():
+        pass
+    requests = {"shares 10": first[:10] + [90, 91], "shares the prompt": first[:12] + [92, 93, 94],
+                "shares 3": first[:3] + [95, 96]}
+    for name, prompt in requests.items():
+        engine.submit(Request(prompt, 5), events(name))
+        while engine.step():
+            pass
+    cached = {name: events.events[name][-1].cached_tokens for name in requests}
+    assert cached == {"shares 10": 8, "shares the prompt": 12, "shares 3": 0}
+    for name, prompt in requests.items():
+        assert events.tokens(name) == reference(model, tokenizer, prompt, 5), name
+    assert engine.metrics()["prompt_cache_misses"] == 2  # the first request and "shares 3": nothing resumable
