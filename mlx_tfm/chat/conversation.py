@@ -333,6 +333,7 @@ class ChatSession:
         self.cache.snapshot()  # recurrent layers: the next turn starts from here, /undo from the turn before
         if self.draft_cache is not None:
             self.draft_cache.reconcile(target + tokens)
+            self.draft_cache.snapshot()
 
     def _record_stats(self, last, new_prompt_tokens: int, conversation_tokens: int, first_token_s: float) -> None:
         self.last_stats = AnswerStats(

@@ -264,12 +264,9 @@ def accept_by_rejection(guesses: list[int], logprobs: mx.array, sampler: Tempera
 
 def sync_draft_cache(draft: TokenCache, target: TokenCache) -> None:
     """Make the draft model's ``draft`` hold exactly the tokens the model's ``target``
-    holds (a saved prompt cache, a chat's earlier turns): trim it to what they share, then
-    feed it the rest."""
-    common = common_prefix_length(draft.tokens, target.tokens)
-    if not draft.trim_to(common):
-        draft.reset()
-        common = 0
+    holds (a saved prompt cache, a chat's earlier turns): take it back to what they share
+    (a recurrent draft: to its longest snapshot there), then feed it the rest."""
+    common = draft.rewind(common_prefix_length(draft.tokens, target.tokens))
     rest = target.tokens[common:]
     if rest:
         prefill(draft.model, mx.array(rest, mx.int32), draft.layers)

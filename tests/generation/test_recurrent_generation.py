@@ -183,3 +183,16 @@ def test_a_closed_speculative_run_leaves_prompt_and_yielded_tokens(model, stop_a
     logits = model(mx.array([[7]]), cache=cache)[0, -1]
     fresh = model(mx.array([prompt + yielded + [7]]))[0, -1]
     assert mx.allclose(logits, fresh, atol=1e-4).item()
+
+
+def test_chat_with_a_recurrent_draft_model_answers_as_plain_greedy(chat):
+    model, tokenizer = chat
+    draft = tiny_lfm2(seed=5, vocab_size=512)
+    plain = ChatSession(model, tokenizer, Settings(max_tokens=8), on_notice=lambda text: None)
+    fast = ChatSession(model, tokenizer, Settings(max_tokens=8), on_notice=lambda text: None, draft_model=draft,
+                       num_draft_tokens=3)
+    for message in ("Once upon a time", "What then?"):
+        assert "".join(fast.answer(message)) == "".join(plain.answer(message))
+    assert fast.undo() and plain.undo()
+    assert "".join(fast.answer("And then?")) == "".join(plain.answer("And then?"))
+    assert {c.offset for c in fast.draft_cache.layers} == {len(fast.draft_cache.tokens)}
