@@ -196,3 +196,28 @@ def test_chat_with_a_recurrent_draft_model_answers_as_plain_greedy(chat):
     assert fast.undo() and plain.undo()
     assert "".join(fast.answer("And then?")) == "".join(plain.answer("And then?"))
     assert {c.offset for c in fast.draft_cache.layers} == {len(fast.draft_cache.tokens)}
+
+
+def test_generate_cli_prompt_cache_file_of_an_lfm2_model(stories_hf, tmp_path):
+    """``--prompt-cache-file``: the state is saved at the prompt (a snapshot, since it cannot
+    be trimmed back from the answer), and the second run reads only the last prompt token."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from fixtures.convert_helpers import make_hf_model
+
+    folder = tmp_path / "lfm2"
+    make_hf_model("lfm2", folder, vocab_size=512)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(stories_hf / name, folder / name)
+    cache_file = tmp_path / "prompt.safetensors"
+    args = [sys.executable, "-m", "mlx_tfm", "generate", "--model", str(folder), "--prompt", "Once upon a time, there",
+            "-m", "12"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    runs = [subprocess.run(args + extra, capture_output=True, text=True, env=env, timeout=120)
+            for extra in ([], ["--prompt-cache-file", str(cache_file)], ["--prompt-cache-file", str(cache_file)])]
+    assert [r.returncode for r in runs] == [0, 0, 0], runs[-1].stderr
+    assert runs[0].stdout == runs[1].stdout == runs[2].stdout
+    assert "Prompt: 1 tokens" in runs[2].stderr
