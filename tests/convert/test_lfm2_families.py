@@ -52,3 +52,28 @@ def test_lfm2_feed_forward_width_and_layer_types_from_an_mlx_lm_config():
     args = model_args_from_config(config)
     assert args.layer_types == ("conv", "conv", "full_attention", "conv")
     assert args.intermediate_size == 224  # int(1.5 * int(2 * 200 / 3)) = 199, rounded up to 7 * 32
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm2_moe"])
+def test_folders_mlx_lm_writes_load_with_the_same_logits(name, tmp_path):
+    """mlx-community's layout: mlx-lm's own sanitized weights (conv taps (D, K, 1), experts
+    stacked, lfm2_moe's dense w1/w2/w3 renamed) and the config it writes."""
+    import json
+
+    from fixtures.convert_helpers import make_hf_model
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import save_config, save_model
+
+    hf = make_hf_model(name, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if name == "lfm2":  # mlx-lm's lfm2 requires what transformers 5 no longer writes
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "block_dim": config["hidden_size"],
+                                                                 "block_ff_dim": config["intermediate_size"]}))
+    theirs, their_config = mlx_lm_load_model(tmp_path / "hf")
+    (tmp_path / "mlx_lm").mkdir()
+    save_model(tmp_path / "mlx_lm", theirs)
+    save_config(their_config, tmp_path / "mlx_lm" / "config.json")
+    assert any(k.endswith("conv.conv.weight") for k, _ in tree_flatten(theirs.parameters()))
+    ours, _ = load_model(tmp_path / "mlx_lm")
+    np.testing.assert_allclose(np.array(ours(mx.array([PROMPT]))[0]), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)

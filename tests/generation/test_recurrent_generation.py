@@ -38,10 +38,16 @@ def test_chunked_prefill_folds_into_the_state(model, step):
     assert decode(model, PROMPT, 10, prefill_step_size=step) == uncached_greedy_tokens(model, PROMPT, 10)
 
 
-def test_max_kv_size_bounds_only_the_attention_layers(model):
+def test_max_kv_size_bounds_only_the_attention_layers():
+    from mlx_tfm.generation.step import context_room
+
+    model = tiny_lfm2(max_position_embeddings=64)
     cache = model.make_cache(max_kv_size=4)
     assert [type(c) for c in cache] == [StateCache, RotatingKVCache, StateCache]
-    assert len(decode(model, PROMPT * 20, 5, cache=cache)) == 5  # past max_position_embeddings: bounded
+    assert context_room(model, cache, 280) is None  # a state and a rotating cache: any length fits
+    with pytest.raises(UserError, match="context is 64"):
+        context_room(model, model.make_cache(), 280)
+    assert len(decode(model, PROMPT * 20, 5, cache=cache)) == 5
 
 
 def test_kv_bits_quantizes_only_the_attention_layers():
