@@ -55,7 +55,7 @@ class BatchStateCache(BatchCache):
             return row if length == 0 else None
         if single.offset != length or len(single.arrays) != len(self.arrays):
             return None
-        row.arrays = list(single.arrays)
+        row.arrays = [None if a is None else mx.array(a) for a in single.arrays]  # the entry stays as it is
         return row
 
     def select(self, rows: list[int]) -> "BatchStateCache":

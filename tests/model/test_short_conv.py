@@ -80,3 +80,11 @@ def test_a_state_cannot_be_trimmed():
     assert not cache.is_trimmable() and cache.trim(0) == 0
     with pytest.raises(UserError, match="cannot be trimmed"):
         cache.trim(2)
+
+
+def test_a_copy_is_not_changed_by_an_update_in_place():
+    cache = StateCache(1)
+    cache[0] = mx.zeros((1, 2, 4))
+    snapshot = cache.copy()
+    cache[0][..., 0] = 5.0  # a mixer that writes its state in place
+    assert snapshot[0].sum().item() == 0 and snapshot.offset == cache.offset
