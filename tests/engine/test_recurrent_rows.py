@@ -137,3 +137,31 @@ def test_the_prefix_cache_resumes_a_state_at_the_longest_snapshot_inside_the_pre
     for name, prompt in requests.items():
         assert events.tokens(name) == reference(model, tokenizer, prompt, 5), name
     assert engine.metrics()["prompt_cache_misses"] == 2  # the first request and "shares 3": nothing resumable
+
+
+def test_prefix_cache_entries_keep_the_states_of_the_prefixes_they_replace_or_extend():
+    from mlx_tfm.engine.prefix_cache import PrefixCache
+    from mlx_tfm.generation.token_cache import TokenCache
+
+    model = tiny_lfm2()
+    tokens = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 18, 140]
+
+    def entry(n: int) -> TokenCache:
+        cache = TokenCache(model)
+        model(mx.array([tokens[:n]]), cache=cache.layers)
+        cache.record(tokens[:n])
+        return cache
+
+    store = PrefixCache(1 << 20)
+    store.insert(entry(6))
+    store.insert(entry(10))  # extends the first: replaces it, keeping its state at 6
+    assert len(store) == 1 and store.find(tokens[:8] + [1, 1], limit=9) == (1, 6)
+    store.insert(entry(4))  # a prefix of the kept entry: only adds its state at 4
+    assert len(store) == 1 and store.find(tokens[:5] + [1], limit=5) == (1, 4)
+    assert store.find(tokens, limit=11) == (1, 10)
+    assert store.find(tokens[:3] + [1], limit=3) == (None, 0)  # no state at 3 or before
+    assert store.nbytes == sum(e.nbytes for e in store.entries.values())
+    kept = store.entries[1]
+    resumed = kept.layers_at(6)
+    fresh = entry(6).layers
+    np.testing.assert_allclose(np.array(resumed[0][0]), np.array(fresh[0][0]), atol=1e-6)
