@@ -291,6 +291,8 @@ class ChatSession:
             self.conversation.turns.pop()
             raise
         feed = self.cache.prepare(target)
+        new_prompt_tokens = len(feed)
+        feed = self.cache.feed_to_snapshot(feed)  # recurrent layers: a state to come back to (/undo)
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
@@ -310,7 +312,7 @@ class ChatSession:
             stream.close()
             self._finish_answer(target, tokens)
         if last is not None:
-            self._record_stats(last, len(feed), len(target) + len(tokens), first_token_s)
+            self._record_stats(last, new_prompt_tokens, len(target) + len(tokens), first_token_s)
             if last.finish_reason == "length" and budget < self.settings.max_tokens:
                 self.on_notice(f"context full: the answer stopped at the end of the context ({self.context_limit} tokens)")
 
@@ -328,8 +330,10 @@ class ChatSession:
         answer_ids = [t for t in tokens if t not in self.tokenizer.eos_token_ids]
         self.conversation.turns.append({"role": "assistant", "content": self.tokenizer.decode(answer_ids)})
         self.cache.reconcile(target + tokens)
+        self.cache.snapshot()  # recurrent layers: the next turn starts from here, /undo from the turn before
         if self.draft_cache is not None:
             self.draft_cache.reconcile(target + tokens)
+            self.draft_cache.snapshot()
 
     def _record_stats(self, last, new_prompt_tokens: int, conversation_tokens: int, first_token_s: float) -> None:
         self.last_stats = AnswerStats(

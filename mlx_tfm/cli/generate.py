@@ -81,7 +81,7 @@ def run(args) -> int:
     prompt_tokens = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     cache_file = Path(args.prompt_cache_file) if args.prompt_cache_file else None
     token_cache = open_token_cache(args, model, cache_file)
-    to_process = token_cache.prepare(prompt_tokens)
+    to_process = token_cache.feed_to_snapshot(token_cache.prepare(prompt_tokens))  # recurrent: saved at the prompt
 
     generated, response = [], None
     for response in stream_generate(model, tokenizer, to_process, max_tokens=args.max_tokens, sampling=sampling,
@@ -220,5 +220,6 @@ def save_prompt_only(path: Path, token_cache, prompt_tokens: list[int], generate
     """Save the prompt's cache: the generated tokens are trimmed off when the cache
     allows it, else kept (their ids are recorded with the cache)."""
     token_cache.reconcile(list(prompt_tokens) + generated)
-    token_cache.trim_to(len(prompt_tokens))
+    if not token_cache.trim_to(len(prompt_tokens)) and token_cache.has_states():
+        token_cache.rewind(len(prompt_tokens))  # back to the snapshot taken at the prompt
     token_cache.save(path)

@@ -19,7 +19,10 @@ only what it keeps.
   units the same way and sums the block's output once. A rank keeps a 1/N slice of each
   of these matrices; each matrix passes through memory whole once while it is cut.
 
-Only decoder-only models are split (encoders and T5 are refused with one line).
+Only decoder-only models are split (encoders and T5 are refused with one line). A
+pipeline splits a stack with recurrent layers (LFM2's short convolutions...) like any
+other: each rank's layers make their own caches, a ``StateCache`` where the layer keeps
+a state. Tensor parallelism splits attention heads only, and refuses recurrent layers.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..errors import UserError
 from ..model.attention import Attention
 from ..model.experts import QuantizedSwitchLinear, SparseMoeBlock
 from ..model.layers import MLP
+from ..model.mixers import ATTENTION_TYPES
 from ..model.transformer import Model
 from .world import World
 
@@ -77,6 +81,11 @@ class PipelineEnd(nn.Module):
             h = mx.distributed.all_gather(h, group=self.group)[-x.shape[0] :]  # (size * B, L, D) -> the last rank's
         return h
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The wrapped block's token mixer (``Model.make_cache`` asks it for its cache)."""
+        return self.block.mixer
+
 
 def pipeline(model: Model, world: World) -> None:
     """Keep this rank's block of layers (see the module docstring), in place."""
@@ -117,6 +126,11 @@ class SummedOverRanks(nn.Module):
 def check_tensor_split(model: Model, size: int) -> None:
     """One line for a model whose heads or hidden units do not split over ``size`` ranks."""
     args = model.args
+    recurrent = [(i, kind) for i, kind in enumerate(args.layer_types) if kind not in ATTENTION_TYPES]
+    if recurrent:
+        layer, kind = recurrent[0]
+        raise UserError(f"--tensor-parallel splits attention heads, and layer {layer} is a {kind!r} layer "
+                        "(a recurrent state); use --pipeline")
     counts = {"num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads}
     dense = any(not args.has_experts(i) for i in range(args.num_hidden_layers))
     if dense:

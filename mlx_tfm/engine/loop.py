@@ -35,6 +35,7 @@ from ..errors import UserError
 from ..generation.step import check_vocabulary, encode_prompt
 from ..generation.token_cache import TokenCache
 from .batch_cache import BatchCache, batch_caches
+from .batch_state_cache import BatchStateCache  # noqa: F401  (registers the batched cache of recurrent layers)
 from .decode import DecodePipeline
 from .outputs import Outputs
 from .prefix_cache import PrefixCache
@@ -235,7 +236,9 @@ class Engine:
         for batched, single in zip(caches, layers):
             batched.export_row(index, single)
         mx.eval([layer.state for layer in layers])
-        self.prefix_cache.insert(TokenCache(self.model, self.max_kv_size, layers, row.tokens[:fed]))
+        entry = TokenCache(self.model, self.max_kv_size, layers, row.tokens[:fed])
+        entry.snapshots = {n: states for n, states in row.snapshots.items() if n < fed}  # recurrent layers
+        self.prefix_cache.insert(entry)
 
 
 def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | list[int] = 256,

@@ -7,6 +7,12 @@ objects, so the ids always say exactly what the keys and values hold, and a requ
 only ever reuses positions whose tokens equal its own: one conversation's tokens never
 reach another's. Least recently used entries go first when the total passes
 ``max_bytes``.
+
+A recurrent layer's state cannot be cut back to a shorter prefix, so an entry with such
+layers is only reused from a position where its state is at hand: its end, or a snapshot
+(the engine takes them every ``SNAPSHOT_INTERVAL`` prompt tokens and at the prompt's end,
+``TokenCache.resumable``). ``find`` counts only those positions, so what a request is told
+it reused (``cached_tokens``) is what it really did not compute again.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class PrefixCache:
         (at most ``limit``); (None, 0) when none shares any. Changes nothing."""
         best_key, best_length = None, 0
         for key, entry in self.entries.items():
-            length = min(common_prefix_length(entry.tokens, tokens), limit)
+            length = entry.resumable(min(common_prefix_length(entry.tokens, tokens), limit))
             if length > best_length:
                 best_key, best_length = key, length
         return best_key, best_length
@@ -55,15 +61,29 @@ class PrefixCache:
         for key, other in list(self.entries.items()):
             shared = common_prefix_length(other.tokens, entry.tokens)
             if shared == len(entry.tokens):
-                self.entries.move_to_end(key)
+                self._absorb(key, entry)
                 return
             if shared == len(other.tokens):
+                entry.absorb(other)  # its recurrent states stay resumable inside the new entry
                 self._remove(key)
         self.entries[self._next_key] = entry
         self._next_key += 1
         self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes:
             self._remove(next(iter(self.entries)))
+
+    def _absorb(self, key: int, prefix: TokenCache) -> None:
+        """The kept entry ``key`` holds all of ``prefix``: it takes the prefix's recurrent
+        states as snapshots (nothing without recurrent layers) and counts as just used."""
+        kept = self.entries[key]
+        self.nbytes -= kept.nbytes
+        kept.absorb(prefix)
+        self.nbytes += kept.nbytes
+        self.entries.move_to_end(key)
+        while self.nbytes > self.max_bytes and len(self.entries) > 1:
+            self._remove(next(iter(self.entries)))
+        if self.nbytes > self.max_bytes:
+            self._remove(key)
 
     def _remove(self, key: int) -> None:
         self.nbytes -= self.entries.pop(key).nbytes

@@ -27,6 +27,8 @@ class Row:
         self.tokens = list(request.prompt)  # the prompt, then every generated token
         self.fed = 0  # tokens[:fed] are in the row's cache; tokens[fed] is fed next
         self.cached_tokens = 0
+        # recurrent layers' states taken while the prompt was read: position -> {layer: state}
+        self.snapshots: dict[int, dict] = {}
         self.generated = 0
         self.max_tokens = request.max_tokens
         self.finish_reason: str | None = None

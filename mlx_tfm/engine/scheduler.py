@@ -9,6 +9,11 @@ padded so that prompts of unequal length finish in one pass; ``prefill_step_size
 in all, so one forward pass's memory is bounded and running streams keep flowing while
 long prompts are read. A row whose prompt is in (all but its last token, which its first
 decoding step feeds) leaves the group for the decoding batch.
+
+Recurrent layers (``BatchStateCache``) fold every input in: their rows are never padded,
+and since their state cannot be cut back later, chunks stop at every
+``SNAPSHOT_INTERVAL``-th prompt position of a row and at its prompt's end, where the row
+keeps a snapshot of its states (``Row.snapshots``) for the prefix cache.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import mlx.core as mx
 
 from ..cpu.switch import prompt_layer_by_layer
 from .batch_cache import BatchCache
+from .batch_state_cache import row_states
 from .outputs import Outputs
 from .prefix_cache import PrefixCache
 from .rows import Row, RowBatch
@@ -27,6 +33,7 @@ from .rows import Row, RowBatch
 log = logging.getLogger("mlx_tfm.engine")
 MAX_PADDING_SHARE = 0.25  # of a prefill chunk's positions (see chunk_length)
 PAD_TOKEN = 0  # what a padded position feeds; its keys and values are never visible
+SNAPSHOT_INTERVAL = 256  # prompt positions between snapshots of a row's recurrent states
 
 
 def chunk_length(pending: list[int], per_row: int, max_padding_share: float = MAX_PADDING_SHARE) -> int:
@@ -57,7 +64,8 @@ class Scheduler:
         # padding included, must stay inside the table.
         self.learned_positions = (args.max_position_embeddings - args.position_offset
                                   if args.position_embedding == "learned" else None)
-        self.max_padding_share = MAX_PADDING_SHARE if all(kind.takes_padding for kind in kinds) else 0.0
+        self.recurrent = not all(kind.takes_padding for kind in kinds)
+        self.max_padding_share = 0.0 if self.recurrent else MAX_PADDING_SHARE
 
     def admit(self, prefix_cache: PrefixCache, room: int, streams_running: bool) -> None:
         """Waiting requests join the prefill group while there is ``room`` (rows the batch
@@ -83,7 +91,10 @@ class Scheduler:
     def _row_caches(self, row: Row, prefix_cache: PrefixCache) -> list[BatchCache]:
         """The row's batched cache per layer, from the longest prefix the prefix cache holds."""
         entry, cached = prefix_cache.lookup(row.tokens, limit=row.prompt_length - 1)
-        caches = [kind.row_from(single, cached) for kind, single in zip(self.kinds, entry.layers)] if entry else None
+        if entry is not None:
+            caches = [kind.row_from(single, cached) for kind, single in zip(self.kinds, entry.layers_at(cached))]
+        else:
+            caches = None
         if caches is None or None in caches:  # nothing cached, or a layer that cannot start from that prefix
             cached = 0
             caches = [kind.row_from(None, 0) for kind in self.kinds]
@@ -100,6 +111,8 @@ class Scheduler:
         if self.learned_positions is not None:
             per_row = max(1, min(per_row, *(self.learned_positions - r.fed for r in rows)))
         length = chunk_length([r.pending for r in rows], per_row, self.max_padding_share)
+        if self.recurrent:  # stop at the next snapshot position of any row
+            length = min(length, *(SNAPSHOT_INTERVAL - r.fed % SNAPSHOT_INTERVAL for r in rows))
         feeds = [min(r.pending, length) for r in rows]
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
                           for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end
@@ -114,8 +127,10 @@ class Scheduler:
             self.outputs.fail(rows, error)
             self.group.clear()
             return
-        for row, n in zip(rows, feeds):
+        for index, (row, n) in enumerate(zip(rows, feeds)):
             row.fed += n
+            if self.recurrent and (row.prefilled or row.fed % SNAPSHOT_INTERVAL == 0):
+                row.snapshots[row.fed] = row_states(self.group.caches, index)
 
     def take_prefilled(self) -> tuple[list[Row], list[BatchCache]] | None:
         """The rows whose prompt is in, with their caches, out of the group (None: none)."""

@@ -21,6 +21,7 @@ import re
 from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import Architecture
+from .convolutions import CONVOLUTIONS
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
@@ -28,7 +29,8 @@ from .latent import LATENT
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT}
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT,
+                                          **CONVOLUTIONS}
 
 
 def architecture_for(config: dict) -> Architecture:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .common import layer_type_rope_keys, period_of
+from .convolutions import lfm2_mlx_lm_keys
 from .decoders import GEMMA3_TEXT_DEFAULTS
 from .state_space import STATE_SPACE_MLX_LM_KEYS
 
@@ -55,6 +56,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
     **STATE_SPACE_MLX_LM_KEYS,
+    "lfm2": lfm2_mlx_lm_keys,
 }
 
 

@@ -1,5 +1,7 @@
 """Prompt-cache files: a list of layer caches written to one .safetensors file (their
-arrays, the kinds and settings of the caches as metadata) and read back.
+arrays, the kinds and settings of the caches as metadata) and read back. A recurrent
+layer's ``StateCache`` is stored as its state arrays (``{layer}.state.{j}``) and its
+``meta_state`` (size and offset).
 
 ``TokenCache`` (``token_cache.py``) adds the token ids and the model's fingerprint, so a
 file is only reused with the model and tokens it was made from.
@@ -18,6 +20,7 @@ from ..model.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
+from ..model.state_cache import StateCache
 
 QUANTIZED_PARTS = ("data", "scales", "biases")  # QuantizedKV's arrays, as named in prompt-cache files
 
@@ -30,6 +33,9 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
 
     arrays = {}
     for i, layer_cache in enumerate(cache):
+        if isinstance(layer_cache, StateCache):
+            arrays.update({f"{i}.state.{j}": a for j, a in enumerate(layer_cache.state)})
+            continue
         for name, stored in zip(("keys", "values"), layer_cache.state):
             if isinstance(stored, QuantizedKV):
                 arrays.update({f"{i}.{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, stored.arrays)})
@@ -48,6 +54,9 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
     layers = json.loads(metadata.pop("layers"))
     cache = []
     for i, meta in enumerate(layers):
+        if meta["kind"] == "StateCache":
+            cache.append(state_cache_from_file(arrays, i, meta))
+            continue
         if meta["kind"] == "RotatingKVCache":
             layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
         elif meta["kind"] == "QuantizedKVCache":
@@ -68,3 +77,17 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
             layer_cache.meta_state = meta
         cache.append(layer_cache)
     return cache, metadata
+
+
+def state_cache_from_file(arrays: dict, layer: int, meta: dict) -> StateCache:
+    """Layer ``layer``'s ``StateCache``: its ``size`` arrays (none before it was written)."""
+    state = StateCache(int(meta["size"]))
+    stored = [arrays[f"{layer}.state.{j}"] for j in range(state_size(arrays, layer))]
+    if stored:
+        state.state = stored
+    state.meta_state = meta
+    return state
+
+
+def state_size(arrays: dict, layer: int) -> int:
+    return sum(1 for name in arrays if name.startswith(f"{layer}.state."))

@@ -27,7 +27,11 @@ Acceptance, left to right (``accept_by_matching`` / ``accept_by_rejection``):
   ``max(p - q, 0)`` renormalised; when all are kept one more token is drawn from ``p``. The
   tokens then follow ``p`` exactly. A prompt-lookup guess has ``q = 1`` at the guessed token.
 
-Both caches are then trimmed back to the accepted tokens. When the generator stops (done, or
+Both caches are then trimmed back to the accepted tokens. A recurrent layer's
+``StateCache`` cannot be trimmed: before a cache reads guesses its recurrent layers are
+copied (``checkpoint``), and when a guess is rejected the cache goes back there (its
+attention layers trimmed, its states restored) and the accepted tokens are fed again, one
+more forward pass of at most ``k + 1`` positions. When the generator stops (done, or
 closed by its caller after any token) both hold exactly the prompt and every token yielded,
 the cache invariant of ``mlx_tfm.generation``.
 """
@@ -42,6 +46,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..model.cache import RotatingKVCache
+from ..model.state_cache import StateCache
 from ..tokenizer import Tokenizer
 from .sampling import (
     LogitsProcessor,
@@ -138,6 +143,7 @@ class DraftModel:
         self.cache = cache
         self.vocab_size = vocab_size  # the target model's: the guesses' distributions are cut or padded to it
         self.base = cache[0].offset
+        self.saved: dict[int, StateCache] = {}  # its recurrent layers before the latest guesses
 
     def start(self, prompt: mx.array, prefill_step_size: int) -> None:
         prefill(self.model, prompt[:-1], self.cache, prefill_step_size)
@@ -146,6 +152,7 @@ class DraftModel:
         """``tokens``: prompt and accepted tokens; the cache holds a prefix of them."""
         if k == 0:
             return [], None
+        self.saved = checkpoint(self.cache)
         fed = self.cache[0].offset - self.base
         step_input = mx.array(tokens[fed:], mx.int32)  # the one or two tokens it has not seen
         context = mx.array(tokens, mx.int32) if processors else None
@@ -166,7 +173,7 @@ class DraftModel:
 
     def settle(self, tokens: list[int]) -> None:
         """Hold a prefix of ``tokens`` (the last may be missing): trim what was guessed wrong."""
-        settle(self.model, self.cache, self.base, tokens, keep_last=False)
+        settle(self.model, self.cache, self.base, tokens, keep_last=False, saved=self.saved)
 
 
 def fit_vocabulary(logits: mx.array, vocab_size: int) -> mx.array:
@@ -180,17 +187,39 @@ def fit_vocabulary(logits: mx.array, vocab_size: int) -> mx.array:
     return logits
 
 
-def settle(model, cache: list, base: int, tokens: list[int], keep_last: bool) -> None:
+def checkpoint(cache: list) -> dict[int, StateCache]:
+    """Copies of the cache's recurrent layers (layer index -> state), to come back to."""
+    return {i: layer.copy() for i, layer in enumerate(cache) if isinstance(layer, StateCache)}
+
+
+def settle(model, cache: list, base: int, tokens: list[int], keep_last: bool,
+           saved: dict[int, StateCache] | None = None) -> None:
     """Make ``cache`` hold ``tokens`` (minus the last unless ``keep_last``) after ``base``:
-    it holds a prefix of them or guesses beyond them; trim the guesses, feed the rest."""
+    it holds a prefix of them or guesses beyond them; trim the guesses, feed the rest.
+    With recurrent layers, ``saved`` (their ``checkpoint`` before the guesses) is gone
+    back to instead of trimming."""
     want = base + len(tokens) - (0 if keep_last else 1)
     held = cache[0].offset
-    if held > want:
+    if held > want and saved:
+        held = rewind_to(cache, saved)
+    elif held > want:
         for layer in cache:
             layer.trim(held - want)
-    elif held < want and keep_last:
-        model(mx.array(tokens[held - base :], mx.int32)[None], cache=cache)
+    if held < want and (keep_last or saved):
+        model(mx.array(tokens[held - base : want - base], mx.int32)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
+
+
+def rewind_to(cache: list, saved: dict[int, StateCache]) -> int:
+    """Trim the attention layers back to where ``saved`` was taken and put its states
+    back (copies: a later rewind may need them again); returns that position."""
+    position = next(iter(saved.values())).offset
+    for i, layer in enumerate(cache):
+        if i in saved:
+            cache[i] = saved[i].copy()
+        else:
+            layer.trim(layer.offset - position)
+    return position
 
 
 # -- acceptance ----------------------------------------------------------------------------
@@ -235,12 +264,9 @@ def accept_by_rejection(guesses: list[int], logprobs: mx.array, sampler: Tempera
 
 def sync_draft_cache(draft: TokenCache, target: TokenCache) -> None:
     """Make the draft model's ``draft`` hold exactly the tokens the model's ``target``
-    holds (a saved prompt cache, a chat's earlier turns): trim it to what they share, then
-    feed it the rest."""
-    common = common_prefix_length(draft.tokens, target.tokens)
-    if not draft.trim_to(common):
-        draft.reset()
-        common = 0
+    holds (a saved prompt cache, a chat's earlier turns): take it back to what they share
+    (a recurrent draft: to its longest snapshot there), then feed it the rest."""
+    common = draft.rewind(common_prefix_length(draft.tokens, target.tokens))
     rest = target.tokens[common:]
     if rest:
         prefill(draft.model, mx.array(rest, mx.int32), draft.layers)
@@ -319,11 +345,12 @@ def speculative_generate_step(
     drafter.start(prompt, prefill_step_size)
 
     tokens = prompt.tolist()  # the prompt and every token accepted
-    yielded = 0
+    yielded, saved = 0, {}
     try:
         while yielded < max_tokens:
             k = min(num_draft_tokens, max_tokens - yielded - 1)
             guesses, draft_distributions = drafter.propose(tokens, k, sampler, processors)
+            saved = checkpoint(cache)
             logprobs = verify(model, cache, tokens, guesses, processors)
             log_norm = mx.logsumexp(logprobs)  # NaN anywhere makes it NaN
             by_rejection = isinstance(sampler, TemperatureSampler) and len(guesses) > 0
@@ -338,22 +365,22 @@ def speculative_generate_step(
             stats.drafted += len(guesses)
             stats.accepted += len(accepted) - 1
             tokens += accepted
-            settle(model, cache, base, tokens, keep_last=False)
+            settle(model, cache, base, tokens, keep_last=False, saved=saved)
             drafter.settle(tokens)
             for i, token in enumerate(accepted):
                 yielded += 1
                 yield token, logprobs[i]
     except GeneratorExit:
-        finish(model, cache, drafter, base, tokens[: prompt.shape[0] + yielded])
+        finish(model, cache, drafter, base, tokens[: prompt.shape[0] + yielded], saved)
         raise
-    finish(model, cache, drafter, base, tokens)
+    finish(model, cache, drafter, base, tokens, saved)
 
 
-def finish(model, cache: list, drafter, base: int, tokens: list[int]) -> None:
+def finish(model, cache: list, drafter, base: int, tokens: list[int], saved: dict[int, StateCache]) -> None:
     """Both caches hold exactly ``tokens``: the prompt and every token yielded."""
-    settle(model, cache, base, tokens, keep_last=True)
+    settle(model, cache, base, tokens, keep_last=True, saved=saved)
     if isinstance(drafter, DraftModel):
-        settle(drafter.model, drafter.cache, drafter.base, tokens, keep_last=True)
+        settle(drafter.model, drafter.cache, drafter.base, tokens, keep_last=True, saved=drafter.saved)
 
 
 __all__ = ["speculative_generate_step", "speculative_tokens", "DraftModel", "PromptLookup", "SpeculationStats", "check_draft_tokenizer",

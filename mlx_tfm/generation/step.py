@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..model.cache import (
     RotatingKVCache,
 )
+from ..model.state_cache import StateCache
 from ..tokenizer import Tokenizer
 from .sampling import LogitsProcessor, Sampler, greedy, log_normalizer
 
@@ -33,8 +34,9 @@ def check_vocabulary(model, tokenizer: Tokenizer) -> None:
 
 
 def is_bounded(cache: list) -> bool:
-    """Whether every layer forgets old positions, so any length fits."""
-    return all(isinstance(c, RotatingKVCache) for c in cache)
+    """Whether every layer forgets old positions (a rotating KV cache) or keeps a
+    fixed-size state, so any length fits."""
+    return all(isinstance(c, (RotatingKVCache, StateCache)) for c in cache)
 
 
 def context_room(model, cache: list, n_prompt: int) -> int | None:

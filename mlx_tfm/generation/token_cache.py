@@ -6,7 +6,10 @@ reused). All of them need the same three things, which live here once:
 
 - bookkeeping: ``tokens`` is always exactly what every layer cache holds, in order;
 - reuse: ``prepare(target)`` trims the cache back to its common prefix with the tokens a
-  new request needs and returns what is left to feed;
+  new request needs and returns what is left to feed. A recurrent layer's ``StateCache``
+  cannot be trimmed: ``snapshot()`` keeps copies of those layers at a position (chat takes
+  one after every answer), and a cache that cannot be trimmed goes back to the longest
+  snapshot inside the common prefix instead (else it starts again from nothing);
 - identity: a fingerprint of the model (architecture, dtype, and a digest of every weight,
   adapters included) written with a saved cache, so a file saved for one model, dtype or
   adapter is never reused with another.
@@ -23,11 +26,15 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..model.cache import KVQuantization, QuantizedKVCache, quantized_layers
+from ..model.state_cache import StateCache
 from .prompt_cache import load_prompt_cache, save_prompt_cache
+from .step import prefill
 
 # Values read from each weight for the digest: enough that two fine-tunes, two adapters or
 # two quantizations of one model differ, cheap enough for a 100-billion-weight model.
 DIGEST_SAMPLES = 64
+# Snapshots of recurrent layers a TokenCache keeps (the latest positions): chat's last few turns.
+MAX_SNAPSHOTS = 8
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -74,6 +81,8 @@ class TokenCache:
         self.kv_quantization = kv_quantization
         self.layers = layers if layers is not None else self._new_layers()
         self.tokens: list[int] = list(tokens)
+        # position -> {layer index: a copy of that recurrent layer's StateCache there}
+        self.snapshots: dict[int, dict[int, StateCache]] = {}
 
     def _new_layers(self) -> list:
         return quantized_layers(self.model.make_cache(max_kv_size=self.max_kv_size), self.kv_quantization)
@@ -84,11 +93,91 @@ class TokenCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of the layers and of the recurrent layers' snapshots."""
+        snapshots = sum(state.nbytes for states in self.snapshots.values() for state in states.values())
+        return sum(layer.nbytes for layer in self.layers) + snapshots
 
     def reset(self) -> None:
         self.layers = self._new_layers()
         self.tokens = []
+        self.snapshots = {}
+
+    def snapshot(self) -> None:
+        """Keep copies of the recurrent layers' states as they are now (at ``len(tokens)``),
+        so that ``prepare`` can go back here; nothing to keep when every layer trims."""
+        recurrent = {i: layer.copy() for i, layer in enumerate(self.layers) if isinstance(layer, StateCache)}
+        if not recurrent or self.offset != len(self.tokens):
+            return
+        self.snapshots[len(self.tokens)] = recurrent
+        for old in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
+            del self.snapshots[old]
+
+    def has_states(self) -> bool:
+        """Whether some layer keeps a recurrent state (which no trim can take back)."""
+        return any(isinstance(layer, StateCache) for layer in self.layers)
+
+    def feed_to_snapshot(self, feed: list[int]) -> list[int]:
+        """With recurrent layers: feed all of ``feed`` but its last token now, record it and
+        ``snapshot()`` there, so that this prompt (or one that extends it) can be returned
+        to later; returns what is still to feed. Without them, ``feed`` unchanged."""
+        if not self.has_states() or len(feed) < 2:
+            return list(feed)
+        prefill(self.model, mx.array(feed[:-1], dtype=mx.int32), self.layers)
+        self.record(feed[:-1])
+        self.snapshot()
+        return list(feed[-1:])
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix, of at most ``length`` tokens, that a new sequence can start
+        from these layers: any when every layer can be cut short; with recurrent layers
+        only a position where their state is at hand (a snapshot, or the end)."""
+        if not self.has_states():
+            return length
+        return max((n for n in (*self.snapshots, len(self.tokens)) if n <= length), default=0)
+
+    def layers_at(self, position: int) -> list:
+        """Layers to read the first ``position`` tokens from (``position`` resumable): the
+        attention layers as they are (a reader takes only their first positions) and each
+        recurrent layer's state at ``position``."""
+        if position == len(self.tokens) or not self.has_states():
+            return self.layers
+        saved = self.snapshots[position]
+        return [saved.get(i, layer) for i, layer in enumerate(self.layers)]
+
+    def absorb(self, other: "TokenCache") -> None:
+        """Keep the recurrent states of ``other``, whose tokens are a prefix of ours, as
+        snapshots here (its own snapshots too), so that its positions stay resumable."""
+        if not self.has_states():
+            return
+        states = {i: layer for i, layer in enumerate(other.layers) if isinstance(layer, StateCache)}
+        self.snapshots = {**other.snapshots, len(other.tokens): states, **self.snapshots}
+
+    def rewind(self, length: int) -> int:
+        """Hold at most the first ``length`` tokens: exactly ``length`` where every layer
+        trims there, else the longest snapshot within them (0: started again). Returns how
+        many tokens are held."""
+        if self.trim_to(length):
+            return length
+        usable = [n for n in self.snapshots if n <= length]
+        if not usable or not self._restore(max(usable)):
+            self.reset()
+            return 0
+        return len(self.tokens)
+
+    def _restore(self, position: int) -> bool:
+        """Trim the trimmable layers to ``position`` and put the snapshot's states back."""
+        saved = self.snapshots[position]
+        others = [(i, layer) for i, layer in enumerate(self.layers) if i not in saved]
+        if any(layer.offset < position or (layer.offset > position and not layer.is_trimmable())
+               for _, layer in others):
+            return False
+        for _, layer in others:
+            layer.trim(layer.offset - position)
+        for i, state in saved.items():
+            self.layers[i] = state.copy()  # the snapshot stays as it was, for another rewind
+        self.tokens = self.tokens[:position]
+        self.snapshots = {n: states for n, states in self.snapshots.items() if n <= position}
+        return True
 
     def record(self, tokens: list[int]) -> None:
         """``tokens`` were fed through the model into the layer caches."""
@@ -103,17 +192,16 @@ class TokenCache:
         for n, layer in zip(excess, self.layers):
             layer.trim(n)
         self.tokens = self.tokens[:length]
+        self.snapshots = {n: states for n, states in self.snapshots.items() if n <= length}
         return True
 
     def prepare(self, target: list[int]) -> list[int]:
         """Trim to the common prefix with ``target`` and return the tokens still to feed:
         at least the last one, since the next token's logits come from it. A cache that
-        cannot be trimmed there starts again from nothing."""
+        cannot be trimmed there goes back to its longest snapshot inside the prefix, or
+        starts again from nothing."""
         common = min(common_prefix_length(self.tokens, target), len(target) - 1)
-        if not self.trim_to(common):
-            self.reset()
-            common = 0
-        return list(target[common:])
+        return list(target[self.rewind(common):])
 
     def reconcile(self, known: list[int]) -> None:
         """After generation the layers hold a prefix of ``known`` (prompt and answer ids),
@@ -122,15 +210,14 @@ class TokenCache:
         if len(offsets) != 1:  # a layer was left behind mid-step: nothing can be trusted
             self.reset()
             return
-        self.tokens = list(known)
-        if not self.trim_to(min(offsets.pop(), len(known))):
-            self.reset()
+        self.tokens = list(known)[: offsets.pop()]
+        self.rewind(len(self.tokens))
 
     def copy(self) -> "TokenCache":
         """An independent copy: feeding either never changes the other."""
         layers = []
         for layer in self.layers:
-            if isinstance(layer, QuantizedKVCache):
+            if isinstance(layer, (QuantizedKVCache, StateCache)):
                 layers.append(layer.copy())
                 continue
             twin = type(layer).__new__(type(layer))
@@ -138,7 +225,9 @@ class TokenCache:
             if layer.keys is not None:  # new arrays: the caches write into theirs in place
                 twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
             layers.append(twin)
-        return TokenCache(self.model, self.max_kv_size, layers, self.tokens, self.kv_quantization)
+        twin = TokenCache(self.model, self.max_kv_size, layers, self.tokens, self.kv_quantization)
+        twin.snapshots = dict(self.snapshots)  # their states are copied again when restored
+        return twin
 
     # -- files ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -161,11 +250,23 @@ class TokenCache:
             fingerprint = metadata["model"]
         except Exception as e:
             raise UserError(f"{path} is not a prompt cache file written by mlx-tfm ({e})") from None
+        check_layout(path, layers, model)
         if fingerprint != model_fingerprint(model):
             raise UserError(
                 f"{path} was written for a different model, dtype or adapter; delete it or pick another file"
             )
         return cls(model, max_kv_size, quantized_layers(layers, kv_quantization), tokens, kv_quantization)
+
+
+def check_layout(path: Path, layers: list, model) -> None:
+    """One line naming the first layer whose saved kind (a recurrent state or keys and
+    values) is not what this model's layer keeps."""
+    expected = model.make_cache()  # another number of layers: the fingerprint check names it
+    for i, (saved, own) in enumerate(zip(layers, expected)):
+        if isinstance(saved, StateCache) != isinstance(own, StateCache):
+            kinds = {True: "a recurrent state", False: "keys and values"}
+            raise UserError(f"{path} holds {kinds[isinstance(saved, StateCache)]} for layer {i}, but this model's "
+                            f"layer {i} keeps {kinds[isinstance(own, StateCache)]}: it was written for another layout")
 
 
 __all__ = ["TokenCache", "common_prefix_length", "model_fingerprint"]

@@ -26,6 +26,7 @@ from typing import Callable
 
 from ..model.cache import default_kv_group_size
 from ..model.config import ModelArgs
+from ..model.mixers import ATTENTION_TYPES
 from .parts import Part
 
 SIZE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -131,9 +132,11 @@ def describe_architecture(args: ModelArgs) -> list[str]:
 
 
 def positions_held(args: ModelArgs, context: int) -> list[int]:
-    """How many positions each layer's cache holds after ``context`` tokens."""
+    """How many positions each layer's KV cache holds after ``context`` tokens (0 for a
+    recurrent layer: its state is no keys and values, ``layer_kinds.py``)."""
     windows = [args.sliding_window if kind == "sliding_attention" else None for kind in args.layer_types]
-    return [min(context, window) if window else context for window in windows]
+    held = [min(context, window) if window else context for window in windows]
+    return [n if kind in ATTENTION_TYPES else 0 for n, kind in zip(held, args.layer_types)]
 
 
 def kv_group_size(head_dim: int) -> int | None:
@@ -160,7 +163,8 @@ def kv_cache_bytes(args: ModelArgs, context: int, dtype_bytes: int | None = 2, b
     if vector is None:
         return {"per_token": None, "at_context": None}
     per_position = 2 * args.num_key_value_heads * vector  # a key and a value per KV head
-    return {"per_token": per_position * args.num_hidden_layers,
+    attention_layers = sum(kind in ATTENTION_TYPES for kind in args.layer_types)
+    return {"per_token": per_position * attention_layers,
             "at_context": per_position * sum(positions_held(args, context))}
 
 

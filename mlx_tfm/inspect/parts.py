@@ -24,9 +24,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..model.layers import RMSNorm
+from ..model.mixers import ATTENTION_TYPES, MIXERS
 
 KINDS = {"embed_tokens": "embedding", "embed_positions": "positions", "self_attn": "attention", "mlp": "ffn",
-         "lm_head": "head"}
+         "lm_head": "head",
+         # recurrent token mixers (LFM2's "conv", ...): by their block attribute
+         **{kind.attribute: "recurrent" for name, kind in MIXERS.items() if name not in ATTENTION_TYPES}}
 NORMS = (RMSNorm, nn.LayerNorm)
 BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # What a quantized module holds beside its packed ``weight`` (MLX's affine layout).
@@ -37,7 +40,7 @@ TEXTBOOK_FFN_SHARE = 2 / 3  # 8d² / (4d² + 8d²)
 @dataclass(frozen=True)
 class Part:
     name: str  # the module's path
-    kind: str  # embedding | positions | attention | ffn | norm | head | other
+    kind: str  # embedding | positions | attention | recurrent | ffn | norm | head | other
     layer: int | None  # the block it belongs to
     parameters: int
     matrix_parameters: int  # of these, the ones in matrices (what a token is multiplied by)

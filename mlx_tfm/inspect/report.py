@@ -19,6 +19,7 @@ from .architecture import (
     summary,
 )
 from .compare import compare_models, layer_changes
+from .layer_kinds import layer_kinds
 from .parts import TEXTBOOK_FFN_SHARE, block_shares, model_parts, part_rows
 from .source import Inspected, disk_usage
 from .stream import layer_attention, logit_lens, residual_norms, trace
@@ -47,6 +48,7 @@ def anatomy(inspected: Inspected, context: int | None = None) -> dict:
         "memory_bytes": sum(p.bytes for p in parts),
         "disk": {"files": [{"path": path, "bytes": size} for path, size in disk.files], "file_bytes": disk.file_bytes,
                  "tensor_bytes": disk.tensor_bytes, "not_loaded_bytes": disk.not_loaded},
+        "layer_kinds": layer_kinds(model, parts, context),
         "kv_cache": {"context": context, "layouts": [
             {"layout": name, **kv_cache_bytes(args, context, dtype_bytes, bits)}
             for name, dtype_bytes, bits in KV_LAYOUTS]},

@@ -98,6 +98,17 @@ def kv_lines(report: dict) -> list[str]:
             *table(["layout", "per token", f"at {kv['context']:,} tokens"], rows, right={1, 2})]
 
 
+def layer_kind_lines(report: dict) -> list[str]:
+    kinds = report["layer_kinds"]
+    if len(kinds) == 1 and not kinds[0]["recurrent"]:
+        return []  # attention everywhere: the KV cache table says it all
+    rows = [[k["kind"], str(k["layers"]), f"{k['mixer_parameters']:,}", f"{k['block_parameters']:,}",
+             human_bytes(k["cache_bytes_per_layer"]) + (" (fixed state)" if k["recurrent"] else " (float16 KV)")]
+            for k in kinds]
+    return [f"layer kinds (cache: one sequence, per layer, at {report['kv_cache']['context']:,} tokens):",
+            *table(["kind", "layers", "mixer params", "block params", "cache"], rows, right={1, 2, 3})]
+
+
 def flops_lines(report: dict) -> list[str]:
     flops = report["flops_per_token"]
     at = ", ".join(f"T = {p['position']:,}: {p['flops']:,}" for p in flops["at_position"])
@@ -108,8 +119,8 @@ def flops_lines(report: dict) -> list[str]:
 
 def anatomy_text(report: dict) -> str:
     sections = [architecture_lines(report), parameter_lines(report), block_lines(report), storage_lines(report),
-                kv_lines(report), flops_lines(report)]
-    return "\n\n".join("\n".join(section) for section in sections)
+                layer_kind_lines(report), kv_lines(report), flops_lines(report)]
+    return "\n\n".join("\n".join(section) for section in sections if section)
 
 
 def stream_text(report: dict) -> str:

@@ -137,6 +137,10 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # short convolutions (LFM2's "conv" layers, mlx_tfm/model/short_conv.py): a causal
+    # depthwise convolution over the last conv_L_cache positions, gated before and after
+    conv_L_cache: int = 3
+    conv_bias: bool = False  # in_proj, the convolution and out_proj carry biases
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

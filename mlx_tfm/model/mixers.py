@@ -22,6 +22,7 @@ from .attention import Attention
 from .config import ModelArgs
 from .latent_attention import LatentAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
+from .short_conv import ShortConv
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -43,6 +44,7 @@ MIXERS: dict[str, MixerKind] = {
     "sliding_attention": MixerKind("self_attn", attention_mixer),
     "mamba": MixerKind("mamba", Mamba2Mixer),  # Mamba-2's SSD (model/mamba.py)
     "mamba1": MixerKind("mamba", Mamba1Mixer),  # Mamba-1's selective scan (model/mamba.py)
+    "conv": MixerKind("conv", ShortConv),  # LFM2's gated short convolution (short_conv.py)
 }
 
 

@@ -56,9 +56,12 @@ class StateCache:
         raise UserError("a recurrent layer's state cannot be trimmed back to an earlier position")
 
     def copy(self) -> "StateCache":
-        """An independent snapshot (the arrays are immutable; the list is new)."""
+        """An independent snapshot: new array objects (a layer may update its state in
+        place, ``cache[0][..., i] = ...``, which must not reach the snapshot) over the same
+        values, so no data is copied until one side changes."""
         twin = StateCache(len(self.arrays))
-        twin.arrays, twin.offset = list(self.arrays), self.offset
+        twin.arrays = [None if a is None else mx.array(a) for a in self.arrays]
+        twin.offset = self.offset
         return twin
 
     @property
