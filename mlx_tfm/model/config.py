@@ -111,6 +111,17 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # Gated DeltaNet linear attention (model/deltanet.py, the "linear_attention" layer type)
+    # and Qwen3-Next's gated attention output: q_proj emits each head's queries and a gate,
+    # and sigmoid(gate) scales the attention output before o_proj
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64  # prompts run the delta rule this many positions at a time
+    attn_output_gate: bool = False
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""

@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs
+from .deltanet import GatedDeltaNet
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -37,6 +38,7 @@ def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
 MIXERS: dict[str, MixerKind] = {
     "full_attention": MixerKind("self_attn", attention_mixer),
     "sliding_attention": MixerKind("self_attn", attention_mixer),
+    "linear_attention": MixerKind("linear_attn", GatedDeltaNet),
 }
 
 
