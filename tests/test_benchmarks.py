@@ -21,7 +21,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
 
 
 def test_the_benchmarks_are_there():
-    assert len(SCRIPTS) == 10, SCRIPTS
+    assert len(SCRIPTS) == 11, SCRIPTS
     assert not list(BENCHMARKS.parent.glob("benchmark_*.py")), "benchmarks live in examples/benchmarks/"
 
 
