@@ -67,7 +67,9 @@ def text_of(text_args):
     """The language model of an image-text checkpoint: its ``text_config``."""
 
     def args(config: dict) -> dict:
-        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **(config.get("text_config") or {})}
+        text = dict(config.get("text_config") or {})
+        if "tie_word_embeddings" in config:  # transformers ties by the outer config
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
         return {**text_args(text), "model_type": config["model_type"]}
 
     return args
