@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import greedy, hf_greedy, make_hf_model
+from fixtures.convert_helpers import TINY_CONFIGS, greedy, hf_greedy, make_hf_model
 
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.loading import load_model
@@ -93,3 +93,26 @@ def test_mlx_lm_reads_the_long_prompt_as_we_do(name, tmp_path):
     ours, _ = load_model(tmp_path / "mlx")
     theirs, _ = mlx_lm_load_model(tmp_path / "mlx")
     np.testing.assert_allclose(logits_of(ours, LONG_PROMPT), logits_of(theirs, LONG_PROMPT), atol=2e-4, rtol=0)
+
+
+def test_layer_types_from_full_attention_interval_as_transformers_derives_them():
+    """Hub configs may give only ``full_attention_interval``: the layer types are what
+    transformers derives from it."""
+    from transformers import AutoConfig
+
+    from mlx_tfm.families import model_args_from_config
+
+    keys = {**TINY_CONFIGS["qwen3_next"], "num_hidden_layers": 6, "full_attention_interval": 3}
+    theirs = AutoConfig.for_model("qwen3_next", **keys).layer_types
+    ours = model_args_from_config({**keys, "model_type": "qwen3_next"}).layer_types
+    assert list(ours) == list(theirs) and ours.count("full_attention") == 2
+
+
+def test_image_text_checkpoint_ties_embeddings_by_its_outer_config():
+    """transformers ties an image-text model's head by the outer config's flag."""
+    from mlx_tfm.families import model_args_from_config
+
+    text = {**TINY_CONFIGS["qwen3_5_text"], "tie_word_embeddings": False}
+    tied = model_args_from_config({"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": text})
+    untied = model_args_from_config({"model_type": "qwen3_5", "text_config": text})
+    assert tied.tie_word_embeddings and not untied.tie_word_embeddings
