@@ -25,12 +25,14 @@ from .convolutions import CONVOLUTIONS
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
+from .hybrids import HYBRIDS
 from .latent import LATENT
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT,
-                                          **CONVOLUTIONS}
+ARCHITECTURES: dict[str, Architecture] = {
+    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS,
+}
 
 
 def architecture_for(config: dict) -> Architecture:

@@ -138,7 +138,9 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.scale = args.attention_scale
         self.softcap = args.attn_logit_softcapping
-        self.q_proj = nn.Linear(D, self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.output_gate = args.attn_output_gate
+        q_rows = self.n_heads * self.head_dim * (2 if self.output_gate else 1)  # gated: each head's gate too
+        self.q_proj = nn.Linear(D, q_rows, bias=args.attention_bias)
         self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=args.attention_out_bias)
@@ -163,14 +165,28 @@ class Attention(nn.Module):
             return self._cross_attention(x, cache)
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
-        ready = self._decoding_heads(x, offset) if L == 1 else None
-        queries, keys, values = ready or self._heads(x, offset)
+        gate = None
+        if self.output_gate:
+            queries, keys, values, gate = self._gated_heads(x, offset)
+        else:
+            ready = self._decoding_heads(x, offset) if L == 1 else None
+            queries, keys, values = ready or self._heads(x, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
         # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
+        return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
+
+    def _gated_heads(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Qwen3-Next's gated attention: q_proj emits each head's queries then its output
+        gate; ``_heads``' results plus the gate (B, L, n_heads * head_dim)."""
+        B, L, _ = x.shape
+        # (B, L, n_heads * 2 * head_dim) -> (B, L, n_heads, 2 * head_dim): queries, gate
+        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+        queries = queries.reshape(B, L, -1)
+        heads = self._shaped_heads(queries, self.k_proj(x), self.v_proj(x), offset)
+        return (*heads, gate.reshape(B, L, -1))
 
     def _decoding_heads(self, x: mx.array, offset) -> list[mx.array] | None:
         """``_heads`` for one position in one call of the CPU kernels (products, layout and
@@ -188,9 +204,13 @@ class Attention(nn.Module):
     def _heads(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values (B, heads, L, head_dim), queries and keys rotated to
         their positions (from ``offset``)."""
-        B, L, _ = x.shape
         projected = cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x)
         queries, keys, values = projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return self._shaped_heads(queries, keys, values, offset)
+
+    def _shaped_heads(self, queries, keys, values, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Projected (B, L, heads * head_dim) -> clipped, normed, (B, heads, L, head_dim), rotated."""
+        B, L, _ = queries.shape
         if self.clip_qkv is not None:
             queries, keys, values = (mx.clip(t, -self.clip_qkv, self.clip_qkv) for t in (queries, keys, values))
         if self.qk_norm_scope == "projection":

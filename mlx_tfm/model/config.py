@@ -141,6 +141,16 @@ class ModelArgs:
     # depthwise convolution over the last conv_L_cache positions, gated before and after
     conv_L_cache: int = 3
     conv_bias: bool = False  # in_proj, the convolution and out_proj carry biases
+    # Gated DeltaNet linear attention (model/deltanet.py, the "linear_attention" layer type)
+    # and Qwen3-Next's gated attention output: q_proj emits each head's queries and a gate,
+    # and sigmoid(gate) scales the attention output before o_proj
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64  # prompts run the delta rule this many positions at a time
+    attn_output_gate: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

@@ -23,6 +23,7 @@ from .config import ModelArgs
 from .latent_attention import LatentAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
 from .short_conv import ShortConv
+from .deltanet import GatedDeltaNet
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -45,6 +46,7 @@ MIXERS: dict[str, MixerKind] = {
     "mamba": MixerKind("mamba", Mamba2Mixer),  # Mamba-2's SSD (model/mamba.py)
     "mamba1": MixerKind("mamba", Mamba1Mixer),  # Mamba-1's selective scan (model/mamba.py)
     "conv": MixerKind("conv", ShortConv),  # LFM2's gated short convolution (short_conv.py)
+    "linear_attention": MixerKind("linear_attn", GatedDeltaNet),
 }
 
 

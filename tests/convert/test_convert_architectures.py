@@ -56,7 +56,7 @@ MLX_LM_DIFFERS = {
     "gemma3": (1e-2, "embedding scale sqrt(hidden_size) rounded to bfloat16"),
     "gpt_oss": (5e-3, "YaRN with truncate false rounded as if true (test_moe.py shows it is only that)"),
 }
-MLX_LM_LACKS = ("arcee", "ministral")  # model_types mlx-lm 0.32 has no model file for
+MLX_LM_LACKS = ("arcee", "ministral", "qwen3_5_text", "qwen3_5_moe_text")  # model_types mlx-lm 0.32 has no model file for
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS if TINY_CONFIGS[name].get("model_type", name) not in MLX_LM_LACKS)
 
 
