@@ -7,6 +7,7 @@ from typing import Callable
 
 from .common import layer_type_rope_keys, period_of
 from .decoders import GEMMA3_TEXT_DEFAULTS
+from .llama4 import LLAMA4_MLX_LM_CONFIG_KEYS
 
 # Config keys mlx-lm requires that transformers 5 no longer writes: key -> the key it equals.
 MLX_LM_CONFIG_ALIASES = {
@@ -53,6 +54,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "olmo3": layer_type_rope_keys,
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
+    **LLAMA4_MLX_LM_CONFIG_KEYS,
 }
 
 

@@ -111,6 +111,17 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # Llama 4 (mlx_tfm/model/local_attention.py): "chunked_attention" layers see only the keys of
+    # their own chunk of attention_chunk_size positions; an L2 q/k norm (no weight) on the
+    # rotating layers; the layers without RoPE scale their queries up with the position
+    # (attention temperature tuning); the router's weight scales each expert's input
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    router_scales_input: bool = False
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from .attention import Attention
 from .config import ModelArgs
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ def attention_mixer(args: ModelArgs, layer_idx: int) -> nn.Module:
 MIXERS: dict[str, MixerKind] = {
     "full_attention": MixerKind("self_attn", attention_mixer),
     "sliding_attention": MixerKind("self_attn", attention_mixer),
+    "chunked_attention": MixerKind("self_attn", attention_mixer),  # Llama 4 (local_attention.py)
 }
 
 
