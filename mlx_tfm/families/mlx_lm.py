@@ -47,6 +47,13 @@ def exaone4_mlx_lm_keys(config: dict) -> dict:
     return keys
 
 
+def gpt_neox_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gpt_neox requires transformers 4's ``rotary_emb_base`` and ``rotary_pct``."""
+    params = config.get("rope_parameters") or {}
+    return {"rotary_emb_base": config.get("rotary_emb_base", params.get("rope_theta", 10000.0)),
+            "rotary_pct": config.get("rotary_pct", params.get("partial_rotary_factor", 0.25))}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -55,6 +62,8 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
     **LLAMA4_MLX_LM_CONFIG_KEYS,
+    "cohere2": gemma3_text_mlx_lm_keys,  # mlx-lm's cohere2 reads sliding_window_pattern too
+    "gpt_neox": gpt_neox_mlx_lm_keys,
 }
 
 

@@ -29,7 +29,8 @@ class ModelArgs:
     norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
     # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
     # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
-    # Cohere: attention and MLP both read one norm of x and both add to x)
+    # Cohere: attention and MLP both read one norm of x and both add to x) | "parallel_two_norms"
+    # (GPT-NeoX: the same with a norm for each)
     norm_placement: str = "pre"
     residual: bool = True  # False drops the skip connections (a gradient-flow ablation)
     residual_scale: float = 1.0  # Granite: each sublayer's output times this joins the residual

@@ -45,6 +45,7 @@ BLOCK_NORMS = {
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "parallel": ("input_layernorm",),
+    "parallel_two_norms": ("input_layernorm", "post_attention_layernorm"),  # GPT-NeoX
 }
 
 
@@ -98,6 +99,9 @@ class TransformerBlock(nn.Module):
             # Phi-2, Cohere: both sublayers read the same normalised x.
             normed = self.input_layernorm(x)
             return x + self.mixer(normed, mask, cache) + self.mlp(normed)
+        if self.placement == "parallel_two_norms":
+            # GPT-NeoX: both sublayers read x, each through its own norm.
+            return x + self.mixer(self.input_layernorm(x), mask, cache) + self.mlp(self.post_attention_layernorm(x))
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
             h = settled(x + self.post_attention_layernorm(self.mixer(x, mask, cache)))
