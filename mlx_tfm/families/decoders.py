@@ -506,3 +506,27 @@ DECODERS.update({
     "gpt_neox": Architecture(args=gpt_neox_args, renames=GPT_NEOX_RENAMES, rewrite=gpt_neox_split_qkv,
                              drops=GPT_NEOX_DROPS),
 })
+
+
+def apertus_args(config: dict) -> dict:
+    """Apertus: Llama's pre-norm block under other norm names, q/k norm per head, and an
+    ungated MLP with the learned xIELU activation."""
+    return {
+        **llama_args({"hidden_act": "xielu", **config}),
+        "qk_norm": True,
+        "ffn_gated": False,
+        "mlp_bias": config.get("mlp_bias", False),
+    }
+
+
+def apertus_rewrite(weights: dict, args: ModelArgs) -> dict:
+    # mlx-lm stores xIELU's alpha_p and alpha_n as scalars; transformers (and we) as (1,).
+    return {name: t.reshape(1) if re.fullmatch(r".*\.act_fn\.alpha_[pn]", name) else t for name, t in weights.items()}
+
+
+APERTUS_RENAMES = (
+    (r"(.*)\.attention_layernorm\.(.*)", r"\1.input_layernorm.\2"),
+    (r"(.*)\.feedforward_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),
+)
+
+DECODERS.update({"apertus": Architecture(args=apertus_args, renames=APERTUS_RENAMES, rewrite=apertus_rewrite)})

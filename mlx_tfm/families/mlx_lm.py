@@ -64,6 +64,8 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     **LLAMA4_MLX_LM_CONFIG_KEYS,
     "cohere2": gemma3_text_mlx_lm_keys,  # mlx-lm's cohere2 reads sliding_window_pattern too
     "gpt_neox": gpt_neox_mlx_lm_keys,
+    # required fields of mlx-lm's apertus that transformers' config has no key for
+    "apertus": lambda config: {"mlp_bias": config.get("mlp_bias", False), "post_norm": False, "qk_norm": True},
 }
 
 
