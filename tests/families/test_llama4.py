@@ -11,8 +11,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_map
-from fixtures.convert_helpers import LLAMA4_TEXT, TINY_CONFIGS, greedy, hf_greedy, hf_logits
+from mlx.utils import tree_flatten, tree_map
+from fixtures.convert_helpers import LLAMA4_TEXT, TINY_CONFIGS, greedy, hf_greedy, hf_logits, make_hf_model
 
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.errors import UserError
@@ -142,3 +142,71 @@ def test_chunked_layers_without_a_chunk_size_are_refused():
 def test_batched_caches_are_refused_on_chunked_layers():
     with pytest.raises(UserError, match="chunked attention .* batched caches"):
         chunked_mask(mx.array([3, 5]), 1, 4)
+
+
+# -- Cohere 2, GLM-4, GPT-NeoX, Apertus: what the plain parity cases do not show -------------
+
+
+def transformers_config_dict(model_type: str, keys: dict) -> dict:
+    """What transformers 5 makes of ``keys`` (it rewrites 4's layout into its own)."""
+    from transformers import AutoConfig
+
+    return {**AutoConfig.for_model(model_type, **keys).to_dict(), "model_type": model_type}
+
+
+def test_pythia_hub_config_reads_as_transformers_5_writes_it():
+    """Pythia's hub configs say ``rotary_pct`` and ``rotary_emb_base`` (transformers 4)."""
+    hub = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+               rotary_pct=0.25, rotary_emb_base=500.0, use_parallel_residual=True, hidden_act="gelu")
+    ours = model_args_from_config({**hub, "model_type": "gpt_neox"})
+    assert ours == model_args_from_config(transformers_config_dict("gpt_neox", hub))
+    assert (ours.partial_rotary_factor, ours.rope_theta, ours.norm_placement) == (0.25, 500.0, "parallel_two_norms")
+    assert ours.num_key_value_heads == 4 and not ours.rope_traditional
+
+
+def test_command_r7b_hub_config_says_the_window_pattern():
+    """CohereLabs/c4ai-command-r7b's config: ``sliding_window_pattern`` 4, no layer_types."""
+    hub = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, sliding_window=6,
+               sliding_window_pattern=4)
+    ours = model_args_from_config({**hub, "model_type": "cohere2"})
+    assert ours == model_args_from_config(transformers_config_dict("cohere2", hub))
+    assert ours.rope_layers == (True, True, True, False) * 2 and ours.layer_types[3] == "full_attention"
+
+
+def test_glm4_rotates_half_of_each_head_by_default():
+    ours = model_args_from_config(dict(model_type="glm4", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       head_dim=16, vocab_size=256))
+    assert (ours.partial_rotary_factor, ours.rope_traditional, ours.norm_placement) == (0.5, True, "sandwich")
+
+
+def test_xielu_follows_its_formula():
+    from mlx_tfm.model.xielu import XIELU
+
+    act = XIELU()
+    act.alpha_p, act.alpha_n = mx.array([0.3]), mx.array([-0.7])
+    x = np.linspace(-4, 4, 41, dtype=np.float32)
+    softplus = lambda v: math.log1p(math.exp(v))  # noqa: E731
+    alpha_p, alpha_n = softplus(0.3), 0.5 + softplus(-0.7)
+    expected = np.where(x > 0, alpha_p * x * x + 0.5 * x, (np.expm1(np.minimum(x, -1e-6)) - x) * alpha_n + 0.5 * x)
+    np.testing.assert_allclose(np.array(act(mx.array(x))), expected, atol=1e-6)
+    assert set(dict(tree_flatten(act.trainable_parameters()))) == {"alpha_p", "alpha_n"}
+
+
+def test_apertus_folder_with_scalar_alphas_loads(tmp_path):
+    """mlx-lm's apertus stores alpha_p and alpha_n as scalars: such a folder loads the same."""
+    hf = make_hf_model("apertus", tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "mlx", **QUIET)
+    weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    scalars = {k: v.squeeze() if k.endswith(("alpha_p", "alpha_n")) else v for k, v in weights.items()}
+    assert scalars["model.layers.0.mlp.act_fn.alpha_p"].shape == ()
+    mx.save_safetensors(str(tmp_path / "mlx" / "model.safetensors"), scalars)
+    model, _ = load_model(tmp_path / "mlx")
+    np.testing.assert_allclose(our_logits(model, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_xielu_in_a_gated_mlp_is_refused():
+    args = ModelArgs.from_dict(dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=16,
+                                    hidden_act="xielu", ffn_gated=True))
+    with pytest.raises(ValueError, match="hidden_act 'xielu' is only defined for the ungated MLP"):
+        Model(args)
