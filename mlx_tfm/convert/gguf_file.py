@@ -211,6 +211,20 @@ def qwen3moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- GLM-4 (llama4 branch): llama.cpp keeps the fused gate_up_proj as ffn_up, q/k rows as
+# they are (its GLM-4 rotates adjacent pairs too), and names GLM-4's four norms apart.
+GLM4_NAMES = EMBEDDING_AND_HEAD + ATTENTION + (
+    per_layer("attn_norm", "input_layernorm"), per_layer("ffn_norm", "post_attention_layernorm"),
+    per_layer("post_attention_norm", "post_self_attn_layernorm"), per_layer("post_ffw_norm", "post_mlp_layernorm"),
+    per_layer("ffn_up", "mlp.gate_up_proj"), per_layer("ffn_down", "mlp.down_proj"))
+
+
+def glm4_keys(get, base: dict, tensors: dict) -> dict:
+    """Glm4Model writes the rotated dims of each head (half of it by default)."""
+    rotary = get("rope.dimension_count", base["head_dim"] // 2)
+    return {"partial_rotary_factor": int(rotary) / base["head_dim"], "attention_bias": "blk.0.attn_q.bias" in tensors}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -232,6 +246,7 @@ GGUF_ARCHITECTURES = {
     "granite": GGUFArchitecture("granite", "GraniteForCausalLM", config=granite_keys, permuted_qk=True),
     "smollm3": GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),  # every 4th layer unrotated
     "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
+    "glm4": GGUFArchitecture("glm4", "Glm4ForCausalLM", GLM4_NAMES, glm4_keys),
 }
 
 

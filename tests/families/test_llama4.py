@@ -210,3 +210,55 @@ def test_xielu_in_a_gated_mlp_is_refused():
                                     hidden_act="xielu", ffn_gated=True))
     with pytest.raises(ValueError, match="hidden_act 'xielu' is only defined for the ungated MLP"):
         Model(args)
+
+
+# -- GGUF: GLM-4 as llama.cpp's converter writes it ------------------------------------------
+
+
+def byte_level_bpe_writer():
+    """A byte-level BPE trained here, written as llama.cpp writes a "gpt2" vocabulary."""
+    import json
+
+    from conftest import data_path
+    from fixtures.convert_helpers import train_byte_level_bpe
+
+    lines = data_path("tinyshakespeare", "input.txt").read_text().splitlines()[:2000]
+    tokenizer = train_byte_level_bpe(lines, vocab_size=300)
+    model_json = json.loads(tokenizer.to_str())["model"]
+    tokens = sorted(model_json["vocab"], key=model_json["vocab"].get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]]
+    eot = tokenizer.token_to_id("<|endoftext|>")
+
+    def add_tokenizer(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")  # GLM-4's own "glm4" pre-tokenizer is not read yet
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if i == eot else 1 for i in range(len(tokens))])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(eot)
+        writer.add_eos_token_id(eot)
+
+    return add_tokenizer, len(tokens), eot
+
+
+@pytest.mark.parametrize("matrix_type", ["F32", "Q8_0"])
+def test_glm4_gguf_matches_transformers(matrix_type, tmp_path):
+    """Fused ffn_up (gate then up), GLM-4's four norms by llama.cpp's names, the rotated
+    dims from rope.dimension_count; Q8_0 blocks carried over exactly stay close."""
+    from fixtures.convert_helpers import write_llama_cpp_gguf
+
+    add_tokenizer, vocab_size, eot = byte_level_bpe_writer()
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}  # not the default half
+    hf = make_hf_model("glm4", tmp_path / "hf", vocab_size=vocab_size, bos_token_id=eot, eos_token_id=eot,
+                       pad_token_id=eot, rope_parameters=rope)
+    write_llama_cpp_gguf(tmp_path / "hf", tmp_path / "model.gguf", add_tokenizer, matrix_type)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    model, config = load_model(tmp_path / "out")
+    assert config["model_type"] == "glm4" and config["partial_rotary_factor"] == 0.25
+    reference = hf_logits(hf, PROMPT)
+    if matrix_type == "F32":
+        np.testing.assert_allclose(our_logits(model, PROMPT), reference, atol=1e-4, rtol=0)
+        assert greedy(model, PROMPT, 8) == hf_greedy(hf, PROMPT, 8)
+    else:
+        assert config["quantization"]["bits"] == 8
+        assert np.abs(our_logits(model, PROMPT) - reference).max() < 0.05 * np.abs(reference).max()
