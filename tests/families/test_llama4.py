@@ -61,8 +61,8 @@ def test_topk_sigmoid_router_weights_are_the_chosen_logits_sigmoid():
     np.testing.assert_allclose(np.array(weights), [[1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(-1.5))]], rtol=1e-6)
 
 
-def tiny_llama4() -> Model:
-    args = model_args_from_config({**LLAMA4_TEXT, "model_type": "llama4_text"})
+def tiny_llama4(**overrides) -> Model:
+    args = model_args_from_config({**LLAMA4_TEXT, "model_type": "llama4_text", **overrides})
     assert args.layer_types == ("chunked_attention", "chunked_attention", "full_attention", "chunked_attention")
     assert args.rope_layers == (True, True, False, True) and args.mlp_only_layers == (0, 2)
     mx.random.seed(0)
@@ -82,6 +82,23 @@ def test_cached_decode_equals_the_full_forward(pieces):
         parts.append(np.array(model(mx.array([PROMPT[start : start + n]]), cache=cache)[0]))
         start += n
     np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-4, rtol=0)
+
+
+def test_generation_over_an_8_bit_kv_cache_stays_close():
+    """generate_step over QuantizedKVCache layers (chunk masks over packed keys) with a
+    prefill in pieces of 3 that cross the chunk starts: near the float tokens' logprobs."""
+    from mlx_tfm.generation.step import generate_step
+    from mlx_tfm.model.cache import KVQuantization, QuantizedKVCache, quantized_layers
+
+    model = tiny_llama4(head_dim=32)  # a KV group of 32 numbers
+    prompt = mx.array(PROMPT)
+    floats = list(generate_step(prompt, model, max_tokens=6, prefill_step_size=3))
+    cache = quantized_layers(model.make_cache(), KVQuantization(bits=8))
+    assert all(isinstance(c, QuantizedKVCache) for c in cache)
+    quantized = list(generate_step(prompt, model, max_tokens=6, prefill_step_size=3, prompt_cache=cache))
+    assert [t for t, _ in quantized] == [t for t, _ in floats]
+    for (_, a), (_, b) in zip(floats, quantized):
+        assert float(mx.abs(a - b).max()) < 0.2  # a wrong mask moves them by more than 1
 
 
 def test_chunked_layers_keep_every_position_even_with_max_kv_size():
@@ -118,17 +135,21 @@ def test_image_text_checkpoint_converts_to_its_language_model(experts_per_token,
     assert greedy(model, PROMPT, 12) == hf_greedy(hf, PROMPT, 12)
 
 
-def test_llama4_image_text_folder_loads_in_mlx_lm(tmp_path):
+@pytest.mark.parametrize("quantize", [False, True], ids=["float", "4bit"])
+def test_llama4_image_text_folder_loads_in_mlx_lm(quantize, tmp_path):
     """mlx-lm's llama4 takes one expert per token and no RoPE on every 4th layer: in that
-    form it reads our converted folder (experts split, vision tensors dropped) and computes
-    our logits over the whole prompt, chunks included."""
+    form it reads our converted folder (experts split, vision tensors dropped; quantized,
+    the routers at 8 bits) and computes our logits over the whole prompt, chunks included."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     hf = image_text_llama4(tmp_path / "hf", dict(LLAMA4_TEXT, num_experts_per_tok=1, no_rope_layer_interval=4))
-    convert(tmp_path / "hf", tmp_path / "mlx", **QUIET)
-    ours, _ = load_model(tmp_path / "mlx")
+    convert(tmp_path / "hf", tmp_path / "mlx", quantize=quantize, q_group_size=32, **QUIET)
+    ours, config = load_model(tmp_path / "mlx")
     theirs, _ = mlx_lm_load_model(tmp_path / "mlx")
-    np.testing.assert_allclose(our_logits(ours, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+    if quantize:
+        assert config["quantization"]["language_model.model.layers.1.feed_forward.router"]["bits"] == 8
+    else:
+        np.testing.assert_allclose(our_logits(ours, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
     np.testing.assert_allclose(our_logits(ours, PROMPT), our_logits(theirs, PROMPT), atol=1e-4, rtol=0)
 
 
