@@ -254,6 +254,16 @@ def deepseek2_keys(get, base: dict, tensors: dict) -> dict:
         "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
         "rope_interleave": True,  # llama.cpp's deepseek2 rotates adjacent pairs, as the checkpoints
     }
+# -- GLM-4 (llama4 branch): llama.cpp keeps the fused gate_up_proj as ffn_up, q/k rows as
+# they are (its GLM-4 rotates adjacent pairs too), and names GLM-4's four norms apart.
+GLM4_NAMES = EMBEDDING_AND_HEAD + ATTENTION + (
+    per_layer("attn_norm", "input_layernorm"), per_layer("ffn_norm", "post_attention_layernorm"),
+    per_layer("post_attention_norm", "post_self_attn_layernorm"), per_layer("post_ffw_norm", "post_mlp_layernorm"),
+    per_layer("ffn_up", "mlp.gate_up_proj"), per_layer("ffn_down", "mlp.down_proj"))
+def glm4_keys(get, base: dict, tensors: dict) -> dict:
+    """Glm4Model writes the rotated dims of each head (half of it by default)."""
+    rotary = get("rope.dimension_count", base["head_dim"] // 2)
+    return {"partial_rotary_factor": int(rotary) / base["head_dim"], "attention_bias": "blk.0.attn_q.bias" in tensors}
 
 
 @dataclass(frozen=True)
@@ -278,6 +288,7 @@ GGUF_ARCHITECTURES = {
     "smollm3": GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),  # every 4th layer unrotated
     "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
     "deepseek2": GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_NAMES, deepseek2_keys),
+    "glm4": GGUFArchitecture("glm4", "Glm4ForCausalLM", GLM4_NAMES, glm4_keys),
 }
 
 

@@ -27,11 +27,12 @@ from .encoders import ENCODERS
 from .experts import MIXTURES
 from .hybrids import HYBRIDS
 from .latent import LATENT
+from .llama4 import LLAMA4
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
-    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS,
+    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4,
 }
 
 

@@ -397,3 +397,136 @@ DECODERS: dict[str, Architecture] = {
     "ministral": Architecture(args=llama_args),  # Llama with sliding-window layers
     "arcee": Architecture(args=arcee_args),
 }
+
+
+# -- Cohere 2, GLM-4, GPT-NeoX (llama4 branch) ------------------------------------------
+
+
+def cohere2_args(config: dict) -> dict:
+    """Command R7B: Cohere's parallel block with sliding-window layers that rotate and every
+    ``sliding_window_pattern``-th layer global, without positions."""
+    n_layers, pattern = config["num_hidden_layers"], config.get("sliding_window_pattern", 4)
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    return {
+        **cohere_args(config),
+        "sliding_window": config.get("sliding_window", 4096),
+        "layer_types": layer_types,
+        "rope_layers": [t == "sliding_attention" for t in layer_types],
+    }
+
+
+def glm4_args(config: dict) -> dict:
+    """GLM-4-0414: each sublayer's output normalised too (the sandwich placement), RoPE over
+    adjacent pairs of half of each head, biases on q, k and v only."""
+    return {
+        **llama_args({"partial_rotary_factor": 0.5, **config}),
+        "norm_placement": "sandwich",
+        "rope_traditional": True,
+        "attention_bias": config.get("attention_bias", True),
+        "attention_out_bias": False,
+        "norm_eps": config.get("rms_norm_eps", 1.5625e-07),
+    }
+
+
+def glm4_rewrite(weights: dict, args: ModelArgs) -> dict:
+    # gate_up_proj holds gate then up (Glm4MLP chunks its output in two, gate first).
+    F = args.intermediate_size
+    return split_rows(weights, "gate_up_proj", {"gate_proj": F, "up_proj": F})
+
+
+# GLM-4's four norms -> the sandwich placement's: its post_attention_layernorm is the one
+# before the MLP.
+GLM4_RENAMES = (
+    (r"(.*)\.post_attention_layernorm\.(.*)", r"\1.pre_feedforward_layernorm.\2"),
+    (r"(.*)\.post_self_attn_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),
+    (r"(.*)\.post_mlp_layernorm\.(.*)", r"\1.post_feedforward_layernorm.\2"),
+)
+
+
+def gpt_neox_args(config: dict) -> dict:
+    """Pythia, GPT-NeoX: LayerNorm with biases, a two-layer GELU MLP, biases everywhere,
+    rotary over the first ``rotary_pct`` of each head (halves), and (by default) the
+    parallel block with one norm for each sublayer."""
+    theta = config.get("rotary_emb_base", 10000.0)
+    partial = config.get("rotary_pct", 0.25)
+    return {
+        **config,
+        **rope_settings({"rope_theta": theta, "partial_rotary_factor": partial, **config}),
+        "norm_type": "layernorm",
+        "norm_eps": config.get("layer_norm_eps", 1e-5),
+        "norm_placement": "parallel_two_norms" if config.get("use_parallel_residual", True) else "pre",
+        "hidden_act": activation(config.get("hidden_act", "gelu")),
+        "ffn_gated": False,
+        "mlp_bias": True,
+        "attention_bias": config.get("attention_bias", True),
+        "attention_out_bias": config.get("attention_bias", True),
+        "num_key_value_heads": config["num_attention_heads"],
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+def gpt_neox_split_qkv(weights: dict, args: ModelArgs) -> dict:
+    """``query_key_value`` rows are grouped per head, (n_heads, 3, head_dim): head h's
+    query, key and value rows in turn -> q_proj, k_proj, v_proj. Quantized rows (and their
+    scales and biases) split alike."""
+    pattern = re.compile(r"(.*)\.query_key_value\.(weight|bias|scales|biases)")
+    out = {}
+    for name, tensor in weights.items():
+        match = pattern.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        n_heads, head_dim = args.num_attention_heads, args.head_dim
+        # (3 * D, ...) -> (n_heads, 3, head_dim, ...)
+        grouped = tensor.reshape(n_heads, 3, head_dim, *tensor.shape[1:])
+        for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{prefix}.{part}.{kind}"] = grouped[:, i].reshape(n_heads * head_dim, *tensor.shape[1:])
+    return out
+
+
+GPT_NEOX_LAYER = r"gpt_neox\.layers\.(\d+)"
+GPT_NEOX_RENAMES = (
+    (r"gpt_neox\.embed_in\.(.*)", r"model.embed_tokens.\1"),
+    (r"gpt_neox\.final_layer_norm\.(.*)", r"model.norm.\1"),
+    (r"embed_out\.(.*)", r"lm_head.\1"),
+    (rf"{GPT_NEOX_LAYER}\.attention\.dense\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (rf"{GPT_NEOX_LAYER}\.attention\.(.*)", r"model.layers.\1.self_attn.\2"),
+    (rf"{GPT_NEOX_LAYER}\.mlp\.dense_h_to_4h\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (rf"{GPT_NEOX_LAYER}\.mlp\.dense_4h_to_h\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+    (rf"{GPT_NEOX_LAYER}\.(.*)", r"model.layers.\1.\2"),
+)
+# transformers 4's causal-mask buffers, saved by older Pythia checkpoints.
+GPT_NEOX_DROPS = COMMON_DROPS + (r".*\.attention\.(bias|masked_bias)",)
+
+DECODERS.update({
+    "cohere2": Architecture(args=cohere2_args),
+    "glm4": Architecture(args=glm4_args, renames=GLM4_RENAMES, rewrite=glm4_rewrite),
+    "gpt_neox": Architecture(args=gpt_neox_args, renames=GPT_NEOX_RENAMES, rewrite=gpt_neox_split_qkv,
+                             drops=GPT_NEOX_DROPS),
+})
+
+
+def apertus_args(config: dict) -> dict:
+    """Apertus: Llama's pre-norm block under other norm names, q/k norm per head, and an
+    ungated MLP with the learned xIELU activation."""
+    return {
+        **llama_args({"hidden_act": "xielu", **config}),
+        "qk_norm": True,
+        "ffn_gated": False,
+        "mlp_bias": config.get("mlp_bias", False),
+    }
+
+
+def apertus_rewrite(weights: dict, args: ModelArgs) -> dict:
+    # mlx-lm stores xIELU's alpha_p and alpha_n as scalars; transformers (and we) as (1,).
+    return {name: t.reshape(1) if re.fullmatch(r".*\.act_fn\.alpha_[pn]", name) else t for name, t in weights.items()}
+
+
+APERTUS_RENAMES = (
+    (r"(.*)\.attention_layernorm\.(.*)", r"\1.input_layernorm.\2"),
+    (r"(.*)\.feedforward_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),
+)
+
+DECODERS.update({"apertus": Architecture(args=apertus_args, renames=APERTUS_RENAMES, rewrite=apertus_rewrite)})

@@ -8,6 +8,7 @@ from typing import Callable
 from .common import layer_type_rope_keys, period_of
 from .convolutions import lfm2_mlx_lm_keys
 from .decoders import GEMMA3_TEXT_DEFAULTS
+from .llama4 import LLAMA4_MLX_LM_CONFIG_KEYS
 from .state_space import STATE_SPACE_MLX_LM_KEYS
 
 # Config keys mlx-lm requires that transformers 5 no longer writes: key -> the key it equals.
@@ -48,6 +49,13 @@ def exaone4_mlx_lm_keys(config: dict) -> dict:
     return keys
 
 
+def gpt_neox_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gpt_neox requires transformers 4's ``rotary_emb_base`` and ``rotary_pct``."""
+    params = config.get("rope_parameters") or {}
+    return {"rotary_emb_base": config.get("rotary_emb_base", params.get("rope_theta", 10000.0)),
+            "rotary_pct": config.get("rotary_pct", params.get("partial_rotary_factor", 0.25))}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -57,6 +65,11 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
     **STATE_SPACE_MLX_LM_KEYS,
     "lfm2": lfm2_mlx_lm_keys,
+    **LLAMA4_MLX_LM_CONFIG_KEYS,
+    "cohere2": gemma3_text_mlx_lm_keys,  # mlx-lm's cohere2 reads sliding_window_pattern too
+    "gpt_neox": gpt_neox_mlx_lm_keys,
+    # required fields of mlx-lm's apertus that transformers' config has no key for
+    "apertus": lambda config: {"mlp_bias": config.get("mlp_bias", False), "post_norm": False, "qk_norm": True},
 }
 
 

@@ -30,6 +30,7 @@ from ..cpu.quantized_attention import in_float32
 from .cache import CausalRows, CrossAttentionCache, QuantizedKV, window_mask
 from .config import ModelArgs
 from .layers import RMSNorm
+from .local_attention import l2_norm, temperature_scales
 from .positions import make_rope
 
 
@@ -159,6 +160,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
         self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
+        # Llama 4: an L2 q/k norm on the rotating layers, a temperature on the others
+        self.l2_eps = args.norm_eps if args.qk_l2_norm and rotates else None
+        self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not rotates else None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if isinstance(cache, CrossAttentionCache):
@@ -194,6 +198,8 @@ class Attention(nn.Module):
         (clipping, q/k norms, YaRN's scaling); else None."""
         if self.clip_qkv is not None or self.qk_norm_scope is not None:
             return None
+        if self.l2_eps is not None or self.temperature is not None:
+            return None
         rope = self.rope
         if rope is not None and rope.attention_factor != 1.0:
             return None
@@ -225,6 +231,10 @@ class Attention(nn.Module):
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if self.rope is not None:
             queries, keys = self.rope(queries, offset), self.rope(keys, offset)
+        if self.l2_eps is not None:  # after RoPE, as Llama 4 (a rotation keeps the norm anyway)
+            queries, keys = l2_norm(queries, self.l2_eps), l2_norm(keys, self.l2_eps)
+        if self.temperature is not None:
+            queries = queries * temperature_scales(offset, L, *self.temperature).astype(queries.dtype)
         return queries, keys, values
 
     def _cross_attention(self, x: mx.array, cross: CrossAttentionCache) -> mx.array:

@@ -29,7 +29,8 @@ class ModelArgs:
     norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
     # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
     # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
-    # Cohere: attention and MLP both read one norm of x and both add to x)
+    # Cohere: attention and MLP both read one norm of x and both add to x) | "parallel_two_norms"
+    # (GPT-NeoX: the same with a norm for each)
     norm_placement: str = "pre"
     residual: bool = True  # False drops the skip connections (a gradient-flow ablation)
     residual_scale: float = 1.0  # Granite: each sublayer's output times this joins the residual
@@ -151,6 +152,16 @@ class ModelArgs:
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64  # prompts run the delta rule this many positions at a time
     attn_output_gate: bool = False
+    # Llama 4 (mlx_tfm/model/local_attention.py): "chunked_attention" layers see only the keys of
+    # their own chunk of attention_chunk_size positions; an L2 q/k norm (no weight) on the
+    # rotating layers; the layers without RoPE scale their queries up with the position
+    # (attention temperature tuning); the router's weight scales each expert's input
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    router_scales_input: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

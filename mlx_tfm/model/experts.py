@@ -14,6 +14,8 @@ Routers (``ModelArgs.router_scoring``):
 - ``softmax``: softmax over all experts, keep the top k; ``norm_topk_prob`` renormalises
   the k kept weights to sum to 1 (Mixtral always does; Qwen-MoE and OLMoE by config).
 - ``topk_softmax``: the top k logits, softmax over those k (gpt-oss).
+- ``topk_sigmoid``: the top k logits, each weight the sigmoid of its logit (Llama 4, whose
+  weights scale the experts' inputs: ``router_scales_input``).
 - ``sigmoid``: sigmoid scores; the choice adds a learned per-expert bias
   (``e_score_correction_bias``) and may first keep the best ``topk_group`` of ``n_group``
   expert groups; the weights are the unbiased scores, optionally renormalised, times
@@ -42,7 +44,7 @@ from ..cpu import on_cpu
 if TYPE_CHECKING:
     from .config import ModelArgs
 
-ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid")
 # From this many (position, expert) pairs on, the pairs are sorted by expert first (as mlx-lm).
 SORT_FROM_PAIRS = 64
 
@@ -76,6 +78,9 @@ def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = Non
     if args.router_scoring == "topk_softmax":
         indices = top_k_indices(logits, k)
         return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
+    if args.router_scoring == "topk_sigmoid":
+        indices = top_k_indices(logits, k)
+        return indices, mx.sigmoid(mx.take_along_axis(logits, indices, axis=-1))
     if args.router_scoring == "softmax":
         scores = mx.softmax(logits, axis=-1, precise=True)
         choice = scores
@@ -250,14 +255,24 @@ class SparseMoeBlock(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         indices, weights = route(self.gate(x), self.args, self.get("e_score_correction_bias"))
-        experts = self.switch_mlp(x, indices)  # (..., k, D)
-        y = (experts * weights[..., None].astype(experts.dtype)).sum(axis=-2)
+        if self.args.router_scales_input:
+            y = self._experts_of_scaled_inputs(x, indices, weights)
+        else:
+            experts = self.switch_mlp(x, indices)  # (..., k, D)
+            y = (experts * weights[..., None].astype(experts.dtype)).sum(axis=-2)
         if "shared_expert" in self:
             shared = self.shared_expert(x)
             if "shared_expert_gate" in self:
                 shared = mx.sigmoid(self.shared_expert_gate(x)) * shared
             y = y + shared
         return y
+
+    def _experts_of_scaled_inputs(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        """Llama 4: each chosen expert reads x times its weight, sum_j expert_j(w_j x); the
+        experts are not linear, so that differs from weighting their outputs."""
+        scaled = x[..., None, :] * weights[..., None].astype(x.dtype)  # (..., k, D): one input per expert
+        experts = self.switch_mlp(scaled, indices[..., None])  # each row its one expert: (..., k, 1, D)
+        return experts.squeeze(-2).sum(axis=-2)
 
 
 __all__ = ["SparseMoeBlock", "SwitchGLU", "SwitchLinear", "QuantizedSwitchLinear", "route", "clamped_swiglu"]

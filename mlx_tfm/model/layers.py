@@ -14,6 +14,7 @@ import mlx.nn as nn
 from ..cpu import linear as cpu_linear
 from ..cpu import pointwise as cpu_pointwise
 from .config import ModelArgs
+from .xielu import XIELU
 
 # -- building blocks ---------------------------------------------------------------
 
@@ -58,6 +59,10 @@ ACTIVATIONS = {
 }
 
 
+# Activations with learned parameters: a module per MLP, named ``act_fn`` as in checkpoints.
+LEARNED_ACTIVATIONS = {"xielu": XIELU}  # Apertus
+
+
 @lru_cache(maxsize=None)
 def gated_activation(name: str):
     """``act(gate) * up`` as one fused kernel."""
@@ -70,11 +75,17 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        if args.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unknown hidden_act {args.hidden_act!r} ({', '.join(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[args.hidden_act]
+        self.learned_act = args.hidden_act in LEARNED_ACTIVATIONS
+        if self.learned_act and args.ffn_gated:
+            raise ValueError(f"hidden_act {args.hidden_act!r} is only defined for the ungated MLP")
+        if not self.learned_act and args.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unknown hidden_act {args.hidden_act!r} ({', '.join([*ACTIVATIONS, *LEARNED_ACTIVATIONS])})")
+        if self.learned_act:
+            self.act_fn = LEARNED_ACTIVATIONS[args.hidden_act]()
+        else:
+            self.act = ACTIVATIONS[args.hidden_act]
         self.gated = args.ffn_gated
-        self.gated_act = gated_activation(args.hidden_act)
+        self.gated_act = None if self.learned_act else gated_activation(args.hidden_act)
         self.silu = args.hidden_act == "silu"
         D, F, bias = args.hidden_size, intermediate_size or args.intermediate_size, args.mlp_bias
         if self.gated:
@@ -91,4 +102,5 @@ class MLP(nn.Module):
             return self.down_proj(cpu_pointwise.silu_mul(self.gate_proj(x), self.up_proj(x)))
         if self.gated:
             return self.down_proj(self.gated_act(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.up_proj(x)))
+        act = self.act_fn if self.learned_act else self.act
+        return self.down_proj(act(self.up_proj(x)))

@@ -20,12 +20,12 @@ import mlx.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs
+from .deltanet import GatedDeltaNet
 from .latent_attention import LatentAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
 from .short_conv import ShortConv
-from .deltanet import GatedDeltaNet
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ MIXERS: dict[str, MixerKind] = {
     "mamba1": MixerKind("mamba", Mamba1Mixer),  # Mamba-1's selective scan (model/mamba.py)
     "conv": MixerKind("conv", ShortConv),  # LFM2's gated short convolution (short_conv.py)
     "linear_attention": MixerKind("linear_attn", GatedDeltaNet),
+    "chunked_attention": MixerKind("self_attn", attention_mixer),  # Llama 4 (local_attention.py)
 }
 
 

@@ -20,6 +20,7 @@ from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
 from .layers import MLP, gated_activation, make_norm
+from .local_attention import chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
 from .positions import SinusoidalPositions, position_ids
@@ -46,6 +47,7 @@ BLOCK_NORMS = {
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "parallel": ("input_layernorm",),
+    "parallel_two_norms": ("input_layernorm", "post_attention_layernorm"),  # GPT-NeoX
 }
 
 
@@ -112,6 +114,9 @@ class TransformerBlock(nn.Module):
             # Phi-2, Cohere: both sublayers read the same normalised x.
             normed = self.input_layernorm(x)
             return x + self.mixer(normed, mask, cache) + self.mlp(normed)
+        if self.placement == "parallel_two_norms":
+            # GPT-NeoX: both sublayers read x, each through its own norm.
+            return x + self.mixer(self.input_layernorm(x), mask, cache) + self.mlp(self.post_attention_layernorm(x))
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
             h = settled(x + self.post_attention_layernorm(self.mixer(x, mask, cache)))
@@ -186,6 +191,9 @@ class TransformerModel(nn.Module):
             self.relative_attention_bias = nn.Embedding(args.relative_attention_num_buckets, args.num_attention_heads)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
+        self.chunks = [args.attention_chunk_size if t == "chunked_attention" else None for t in args.layer_types]
+        if "chunked_attention" in args.layer_types and not args.attention_chunk_size:
+            raise ValueError("chunked_attention layers need attention_chunk_size")
         if args.final_norm:
             self.norm = make_norm(args)
 
@@ -229,7 +237,10 @@ class TransformerModel(nn.Module):
         if self.args.kind == "encoder":
             return [mask if window is None else bidirectional_window(mask, length, window) for window in self.windows]
         caches = cache if cache is not None else [None] * len(self.layers)
-        return [mask if mask is not None else self._mask(length, c, w) for c, w in zip(caches, self.windows)]
+        if mask is not None:
+            return [mask] * len(self.layers)
+        return [self._mask(length, c, w) if chunk is None else chunked_mask(c.offset if c is not None else 0, length, chunk)
+                for c, w, chunk in zip(caches, self.windows, self.chunks)]
 
     def _biased_mask(self, mask, length: int, cache, dtype: mx.Dtype) -> mx.array:
         """T5: the relative position bias (1, n_heads, L, S) of queries at the cache's
@@ -290,15 +301,18 @@ class Model(nn.Module):
 
     def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
         """One cache per layer. Sliding-window layers never need more than their window;
-        ``max_kv_size`` bounds every attention layer with a rotating cache; recurrent
-        layers make their own (a ``StateCache``, fixed in size)."""
+        ``max_kv_size`` bounds every attention layer but chunked ones with a rotating
+        cache; recurrent layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
-        for layer, window in zip(self.layers, self.model.windows):
+        for layer, window, chunk in zip(self.layers, self.model.windows, self.model.chunks):
             if layer.mixer is None:  # an MLP-only block: nothing to remember
                 caches.append(StateCache(0))
                 continue
             if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
                 caches.append(layer.mixer.make_cache())
+                continue
+            if chunk is not None:  # Llama 4's chunked layers: their masks count positions from 0
+                caches.append(KVCache())
                 continue
             bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None
             cache = RotatingKVCache(bound, keep=keep if bound == max_kv_size else 0) if bound else KVCache()
