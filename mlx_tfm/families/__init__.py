@@ -24,9 +24,10 @@ from .common import Architecture
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
+from .gemma4 import GEMMA4
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS}
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **GEMMA4}
 
 
 def architecture_for(config: dict) -> Architecture:

@@ -111,6 +111,23 @@ class ModelArgs:
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
 
+    # Gemma 4 (model/kv_sharing.py, model/per_layer_inputs.py): full-attention layers with their
+    # own head size and KV heads (0: as the others), keys doubling as values there; values
+    # RMS-normed without a scale; the last num_kv_shared_layers layers attend with the keys and
+    # values of the last earlier layer of their type and keep no cache (their FFN twice as
+    # wide with double_wide_mlp); a second embedding table and a projection of the embeddings
+    # giving each layer an input of hidden_size_per_layer_input; each block's output times a
+    # learned layer_scalar
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    attention_k_eq_v: bool = False
+    value_norm: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    layer_scalar: bool = False
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""

@@ -19,8 +19,10 @@ from .attention import Attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
+from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import MLP, gated_activation, make_norm
 from .mixers import mixer_kind
+from .per_layer_inputs import add_per_layer_input, block_modules, per_layer_inputs, stack_modules
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
 
@@ -28,7 +30,9 @@ from .relative_positions import relative_position_bias
 def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
     """The layer's FFN: the dense MLP, or a mixture of experts (with its shared expert)."""
     if not args.has_experts(layer_idx):
-        return MLP(args)
+        # Gemma 4's double-wide MLP: the KV-shared layers' FFN is twice as wide
+        wide = args.double_wide_mlp and layer_idx >= first_shared_layer(args)
+        return MLP(args, 2 * args.intermediate_size if wide else None)
     shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
     if args.swiglu_limit is not None:
         activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
@@ -79,8 +83,22 @@ class TransformerBlock(nn.Module):
                 raise ValueError("cross-attention is only defined for the pre-norm placement")
             self.cross_attn = Attention(args, layer_idx)
             self.cross_attn_layernorm = make_norm(args)
+        self.per_layer_act = args.hidden_act if args.hidden_size_per_layer_input else None
+        if self.per_layer_act:  # Gemma 4 (per_layer_inputs.py)
+            self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = block_modules(args)
+        if args.layer_scalar:
+            self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None,
+                 per_layer_input: mx.array | None = None) -> mx.array:
+        """x (B, L, D) -> (B, L, D); ``per_layer_input`` (B, L, P): this layer's own input
+        (Gemma 4), added gated after the FFN."""
+        h = self._sublayers(x, mask, cache, cross)
+        if self.per_layer_act:
+            h = add_per_layer_input(self, h, per_layer_input, self.per_layer_act)
+        return h * self.layer_scalar if "layer_scalar" in self else h
+
+    def _sublayers(self, x: mx.array, mask, cache, cross: CrossAttentionCache | None) -> mx.array:
         if not self.residual:
             return self._without_residual(x, mask, cache)
         if self.placement == "post":
@@ -153,6 +171,9 @@ class TransformerModel(nn.Module):
         self.windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
         if args.final_norm:
             self.norm = make_norm(args)
+        if args.hidden_size_per_layer_input:  # Gemma 4 (per_layer_inputs.py)
+            self.embed_tokens_per_layer, self.per_layer_model_projection, self.per_layer_projection_norm = (
+                stack_modules(args))
 
     def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
                  cross: list[CrossAttentionCache] | None = None) -> mx.array:
@@ -175,10 +196,15 @@ class TransformerModel(nn.Module):
             h = h + self.embed_token_types(types)
         if self.args.embedding_norm:
             h = self.embed_norm(h)
+        per_layer = per_layer_inputs(self, inputs, h) if self.args.hidden_size_per_layer_input else None
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
+        if self.args.num_kv_shared_layers:  # Gemma 4: the shared layers read their source's (kv_sharing.py)
+            cache = wire_shared_caches(self.args, cache)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            if cross is None:
+            if per_layer is not None:
+                h = settled(layer(h, masks[i], layer_cache, per_layer_input=per_layer[:, :, i]))
+            elif cross is None:
                 h = settled(layer(h, masks[i], layer_cache))
             else:
                 h = settled(layer(h, masks[i], layer_cache, cross[i]))
@@ -194,6 +220,8 @@ class TransformerModel(nn.Module):
         if self.args.kind == "encoder":
             return [mask if window is None else bidirectional_window(mask, length, window) for window in self.windows]
         caches = cache if cache is not None else [None] * len(self.layers)
+        if self.args.num_kv_shared_layers:  # a shared layer attends as its source does
+            caches = [caches[source] for source in kv_sources(self.args)]
         return [mask if mask is not None else self._mask(length, c, w) for c, w in zip(caches, self.windows)]
 
     def _biased_mask(self, mask, length: int, cache, dtype: mx.Dtype) -> mx.array:
@@ -258,7 +286,8 @@ class Model(nn.Module):
         ``max_kv_size`` bounds every attention layer with a rotating cache; recurrent
         layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
-        for layer, window in zip(self.layers, self.model.windows):
+        own_caches = first_shared_layer(self.args)  # KV-shared layers keep none (kv_sharing.py)
+        for layer, window in zip(self.layers[:own_caches], self.model.windows):
             if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
                 caches.append(layer.mixer.make_cache())
                 continue
