@@ -7,6 +7,7 @@ from typing import Callable
 
 from .common import layer_type_rope_keys, period_of
 from .decoders import GEMMA3_TEXT_DEFAULTS
+from .gemma4 import GEMMA4_TEXT_DEFAULTS, gemma4_layer_types, global_layer_shape
 
 # Config keys mlx-lm requires that transformers 5 no longer writes: key -> the key it equals.
 MLX_LM_CONFIG_ALIASES = {
@@ -46,6 +47,22 @@ def exaone4_mlx_lm_keys(config: dict) -> dict:
     return keys
 
 
+def gemma4_text_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gemma4_text reads the full layers' head size and KV heads from
+    ``global_head_dim`` and ``num_global_key_value_heads``, which transformers 5 writes as
+    ``per_layer_config``."""
+    config = {**GEMMA4_TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    shape = global_layer_shape(config, gemma4_layer_types(config))
+    return {"global_head_dim": shape["global_head_dim"] or config["head_dim"],
+            "num_global_key_value_heads": shape["num_global_key_value_heads"] or None}
+
+
+def gemma4_mlx_lm_keys(config: dict) -> dict:
+    text = config.get("text_config") or {}
+    vocab_size = text.get("vocab_size", GEMMA4_TEXT_DEFAULTS["vocab_size"])  # mlx-lm's gemma4 hands its own down
+    return {"vocab_size": vocab_size, "text_config": {**text, **gemma4_text_mlx_lm_keys(text)}}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -53,6 +70,8 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "olmo3": layer_type_rope_keys,
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
+    "gemma4_text": gemma4_text_mlx_lm_keys,
+    "gemma4": gemma4_mlx_lm_keys,
 }
 
 
