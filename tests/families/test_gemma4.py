@@ -116,3 +116,12 @@ def test_unsupported_configs_are_refused(keys, message):
     config = {**TINY_CONFIGS["gemma4_text"], "model_type": "gemma4_text", **keys}
     with pytest.raises(UserError, match=message):
         model_args_from_config(config)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_splitting_over_ranks_is_refused(mode):
+    from mlx_tfm.distributed.sharding import check_splittable
+
+    model = Model(model_args_from_config({**TINY_CONFIGS["gemma4_text"], "model_type": "gemma4_text"}))
+    with pytest.raises(UserError, match="does not split models with KV-shared layers or per-layer inputs"):
+        check_splittable(model, mode)
