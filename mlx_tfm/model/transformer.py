@@ -86,7 +86,8 @@ class TransformerBlock(nn.Module):
         self.per_layer_act = args.hidden_act if args.hidden_size_per_layer_input else None
         if self.per_layer_act:  # Gemma 4 (per_layer_inputs.py)
             self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = block_modules(args)
-        if args.layer_scalar:
+        self.scales_output = args.layer_scalar
+        if self.scales_output:  # Gemma 4: a learned scalar times the block's output
             self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None,
@@ -96,7 +97,7 @@ class TransformerBlock(nn.Module):
         h = self._sublayers(x, mask, cache, cross)
         if self.per_layer_act:
             h = add_per_layer_input(self, h, per_layer_input, self.per_layer_act)
-        return h * self.layer_scalar if "layer_scalar" in self else h
+        return h * self.layer_scalar if self.scales_output else h
 
     def _sublayers(self, x: mx.array, mask, cache, cross: CrossAttentionCache | None) -> mx.array:
         if not self.residual:
