@@ -77,8 +77,6 @@ def gemma4_rope(config: dict) -> dict:
 
 
 def check_supported(config: dict) -> None:
-    if config.get("enable_moe_block"):
-        raise UserError("gemma4 with enable_moe_block (the mixture-of-experts Gemma 4) is not supported")
     if config.get("use_bidirectional_attention"):
         raise UserError("gemma4 with use_bidirectional_attention is not supported")
     if config.get("num_kv_shared_layers", 0) >= config["num_hidden_layers"]:
@@ -107,7 +105,20 @@ def gemma4_text_args(config: dict) -> dict:
         "hidden_size_per_layer_input": config["hidden_size_per_layer_input"] or 0,
         "vocab_size_per_layer_input": config["vocab_size_per_layer_input"],
         "layer_scalar": True,
+        **beside_experts(config),
     }
+
+
+def beside_experts(config: dict) -> dict:
+    """Gemma 4's mixture of experts: routed experts beside every dense FFN (not in place
+    of it, so ``num_experts``, which would replace the FFN, stays 0)."""
+    if not config.get("enable_moe_block"):
+        return {"num_experts": 0}
+    n_experts, per_token = config.get("num_experts") or 0, config.get("top_k_experts") or 0
+    if not 0 < per_token <= n_experts:
+        raise UserError(f"gemma4 with enable_moe_block needs 1 <= top_k_experts ({per_token}) <= num_experts ({n_experts})")
+    return {"num_experts": 0, "experts_beside_mlp": n_experts, "num_experts_per_tok": per_token,
+            "moe_intermediate_size": config["moe_intermediate_size"]}
 
 
 def gemma4_args(config: dict) -> dict:
@@ -130,11 +141,36 @@ def drop_shared_layers_kv(weights: dict, args: ModelArgs) -> dict:
     return {name: tensor for name, tensor in weights.items() if not unused(name)}
 
 
+FUSED_EXPERTS = re.compile(r"(.*\.layers\.\d+\.experts)\.(gate_up_proj|down_proj)")
+
+
+def experts_layout(weights: dict, config: dict) -> dict:
+    """transformers' stacked experts (``experts.gate_up_proj`` (E, 2F, D), gate rows first;
+    ``experts.down_proj`` (E, D, F)) -> mlx-lm's ``experts.switch_glu.{gate,up,down}_proj``."""
+    out = {}
+    for name, tensor in weights.items():
+        match = FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        elif match.group(2) == "down_proj":
+            out[f"{match.group(1)}.switch_glu.down_proj.weight"] = tensor
+        else:
+            F = tensor.shape[1] // 2
+            out[f"{match.group(1)}.switch_glu.gate_proj.weight"] = tensor[:, :F]
+            out[f"{match.group(1)}.switch_glu.up_proj.weight"] = tensor[:, F:]
+    return out
+
+
+# mlx-lm keeps the routers at 8 bits when it quantizes (its gemma4_text quant_predicate).
+ROUTERS = r"(language_model\.)?model\.layers\.\d+\.router\.proj"
+
 # The image and audio sides of the multimodal checkpoint: only the language model loads.
 AUDIO_DROPS = (r"(model\.)?audio_tower\..*", r"(model\.)?embed_audio\..*", r"(model\.)?embed_vision\..*")
 
 GEMMA4: dict[str, Architecture] = {
-    "gemma4_text": Architecture(args=gemma4_text_args, rewrite=drop_shared_layers_kv),
+    "gemma4_text": Architecture(args=gemma4_text_args, rewrite=drop_shared_layers_kv, experts=experts_layout,
+                                routers=ROUTERS),
     "gemma4": Architecture(args=gemma4_args, renames=GEMMA3_RENAMES, drops=COMMON_DROPS + VISION_DROPS + AUDIO_DROPS,
-                           layout=gemma3_layout, rewrite=drop_shared_layers_kv),
+                           layout=gemma3_layout, rewrite=drop_shared_layers_kv, experts=experts_layout,
+                           routers=ROUTERS),
 }

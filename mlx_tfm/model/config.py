@@ -117,7 +117,8 @@ class ModelArgs:
     # values of the last earlier layer of their type and keep no cache (their FFN twice as
     # wide with double_wide_mlp); a second embedding table and a projection of the embeddings
     # giving each layer an input of hidden_size_per_layer_input; each block's output times a
-    # learned layer_scalar
+    # learned layer_scalar; experts_beside_mlp experts routed beside each dense FFN
+    # (model/experts_beside_mlp.py, num_experts_per_tok of them per token, each moe_intermediate_size wide)
     global_head_dim: int = 0
     num_global_key_value_heads: int = 0
     attention_k_eq_v: bool = False
@@ -127,6 +128,7 @@ class ModelArgs:
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
     layer_scalar: bool = False
+    experts_beside_mlp: int = 0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

@@ -19,6 +19,8 @@ from .attention import Attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
+from .experts_beside_mlp import add_modules as add_beside_experts
+from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import MLP, gated_activation, make_norm
 from .mixers import mixer_kind
@@ -86,6 +88,11 @@ class TransformerBlock(nn.Module):
         self.per_layer_act = args.hidden_act if args.hidden_size_per_layer_input else None
         if self.per_layer_act:  # Gemma 4 (per_layer_inputs.py)
             self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = block_modules(args)
+        self.experts_beside = args.experts_beside_mlp > 0
+        if self.experts_beside:  # Gemma 4 (experts_beside_mlp.py)
+            if self.placement != "sandwich":
+                raise ValueError("experts beside the MLP are only defined for the sandwich placement")
+            add_beside_experts(self, args)
         self.scales_output = args.layer_scalar
         if self.scales_output:  # Gemma 4: a learned scalar times the block's output
             self.layer_scalar = mx.ones((1,))
@@ -122,7 +129,10 @@ class TransformerBlock(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(h))
         # Gemma 2 and 3: normalise each sublayer's input and its output.
         h = settled(x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), mask, cache)))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.experts_beside:  # Gemma 4: routed experts beside the dense FFN
+            ffn = with_experts(self, h, ffn)
+        return h + self.post_feedforward_layernorm(ffn)
 
     @property
     def mixer(self) -> nn.Module:

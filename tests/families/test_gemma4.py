@@ -18,7 +18,7 @@ from mlx_tfm.model.transformer import Model
 
 PROMPT = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 18, 140, 42, 11]  # past the window of 6
 FOLLOW = [7, 99, 180, 23, 61, 4, 230, 15, 88, 140]
-GEMMA4_CASES = ("gemma4_text", "gemma4_text_k_eq_v", "gemma4")
+GEMMA4_CASES = ("gemma4_text", "gemma4_text_k_eq_v", "gemma4_text_moe", "gemma4")
 
 
 def decoded_logits(model, cache) -> np.ndarray:
@@ -107,7 +107,7 @@ def test_batched_engine_matches_one_prompt_at_a_time(stories_hf):
 
 
 @pytest.mark.parametrize("keys,message", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8}, "top_k_experts"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"num_kv_shared_layers": 5}, "every layer KV-shared"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "overrides a sliding layer"),
