@@ -47,13 +47,24 @@ def exaone4_mlx_lm_keys(config: dict) -> dict:
     return keys
 
 
+# Keys whose default in mlx-lm's gemma4_text differs from transformers' (a hub config may
+# leave them out): transformers' value, when the config has none.
+GEMMA4_MLX_LM_DEFAULTS = {"num_kv_shared_layers": 0, "use_double_wide_mlp": False, "final_logit_softcapping": None,
+                          "num_key_value_heads": GEMMA4_TEXT_DEFAULTS["num_key_value_heads"],
+                          "hidden_size": GEMMA4_TEXT_DEFAULTS["hidden_size"],
+                          "num_hidden_layers": GEMMA4_TEXT_DEFAULTS["num_hidden_layers"],
+                          "intermediate_size": GEMMA4_TEXT_DEFAULTS["intermediate_size"]}
+
+
 def gemma4_text_mlx_lm_keys(config: dict) -> dict:
     """mlx-lm's gemma4_text reads the full layers' head size and KV heads from
     ``global_head_dim`` and ``num_global_key_value_heads``, which transformers 5 writes as
-    ``per_layer_config``."""
+    ``per_layer_config``, and has defaults of its own for some keys."""
+    restated = {k: config.get(k, default) for k, default in GEMMA4_MLX_LM_DEFAULTS.items()}
     config = {**GEMMA4_TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-    shape = global_layer_shape(config, gemma4_layer_types(config))
-    return {"global_head_dim": shape["global_head_dim"] or config["head_dim"],
+    layer_types = gemma4_layer_types(config)
+    shape = global_layer_shape(config, layer_types)
+    return {**restated, "layer_types": layer_types, "global_head_dim": shape["global_head_dim"] or config["head_dim"],
             "num_global_key_value_heads": shape["num_global_key_value_heads"] or None}
 
 

@@ -125,3 +125,20 @@ def test_splitting_over_ranks_is_refused(mode):
     model = Model(model_args_from_config({**TINY_CONFIGS["gemma4_text"], "model_type": "gemma4_text"}))
     with pytest.raises(UserError, match="does not split models with KV-shared layers or per-layer inputs"):
         check_splittable(model, mode)
+
+
+def test_mlx_lm_reads_transformers_defaults_for_keys_a_config_leaves_out():
+    """mlx-lm's gemma4_text has its own defaults (20 KV-shared layers, a double-wide MLP,
+    soft-capping at 30): the config we write restates transformers' for what is missing."""
+    from transformers import Gemma4TextConfig
+
+    from mlx_tfm.families.mlx_lm import mlx_lm_config_keys
+
+    config = {k: v for k, v in TINY_CONFIGS["gemma4_text"].items()
+              if k not in ("num_kv_shared_layers", "final_logit_softcapping")}
+    keys = mlx_lm_config_keys({**config, "model_type": "gemma4_text"})
+    reference = Gemma4TextConfig(**config)
+    assert keys["num_kv_shared_layers"] == reference.num_kv_shared_layers == 0
+    assert keys["use_double_wide_mlp"] is reference.use_double_wide_mlp is False
+    assert keys["final_logit_softcapping"] is reference.final_logit_softcapping is None
+    assert keys["layer_types"] == reference.layer_types and keys["global_head_dim"] == 32
