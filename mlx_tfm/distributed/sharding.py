@@ -46,6 +46,10 @@ FLAGS = {"pipeline": "--pipeline", "tensor": "--tensor-parallel"}
 def check_splittable(model: Model, mode: str) -> None:
     if model.args.kind != "decoder":
         raise UserError(f"{FLAGS[mode]} splits decoder-only models; {model.args.model_type} is an {model.args.kind}")
+    if model.args.num_kv_shared_layers or model.args.hidden_size_per_layer_input:
+        # Gemma 4: layers read other layers' keys and values, and per-layer inputs by their index
+        raise UserError(f"{FLAGS[mode]} does not split models with KV-shared layers or per-layer inputs "
+                        f"({model.args.model_type})")
 
 
 def layer_span(n_layers: int, rank: int, size: int) -> range:

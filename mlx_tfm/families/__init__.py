@@ -25,6 +25,7 @@ from .convolutions import CONVOLUTIONS
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
+from .gemma4 import GEMMA4
 from .hybrids import HYBRIDS
 from .latent import LATENT
 from .llama4 import LLAMA4
@@ -32,7 +33,7 @@ from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
-    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4,
+    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4, **GEMMA4,
 }
 
 

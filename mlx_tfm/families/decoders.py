@@ -120,11 +120,16 @@ def olmo2_args(config: dict) -> dict:
     return {**llama_args(config), "norm_placement": "post_sublayer", "qk_norm": True, "qk_norm_scope": "projection"}
 
 
+# transformers' Olmo3Config.default_theta: the base of any layer type the config gives none.
+OLMO3_DEFAULT_THETA = 500_000.0
+
+
 def olmo3_args(config: dict) -> dict:
-    """OLMo 2 with sliding-window layers (three in four), which rotate unscaled."""
+    """OLMo 2 with sliding-window layers (three in four), which rotate unscaled with the
+    same base; a config without ``rope_theta`` takes transformers' default base."""
     n_layers = config["num_hidden_layers"]
     three_in_four = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
-    args = olmo2_args(config)
+    args = olmo2_args({"rope_theta": OLMO3_DEFAULT_THETA, **config})
     return {
         **args,
         "rope_local_theta": args.get("rope_local_theta", args["rope_theta"]),

@@ -8,6 +8,7 @@ from typing import Callable
 from .common import layer_type_rope_keys, period_of
 from .convolutions import lfm2_mlx_lm_keys
 from .decoders import GEMMA3_TEXT_DEFAULTS
+from .gemma4 import GEMMA4_TEXT_DEFAULTS, gemma4_layer_types, global_layer_shape
 from .llama4 import LLAMA4_MLX_LM_CONFIG_KEYS
 from .state_space import STATE_SPACE_MLX_LM_KEYS
 
@@ -54,6 +55,31 @@ def gpt_neox_mlx_lm_keys(config: dict) -> dict:
     params = config.get("rope_parameters") or {}
     return {"rotary_emb_base": config.get("rotary_emb_base", params.get("rope_theta", 10000.0)),
             "rotary_pct": config.get("rotary_pct", params.get("partial_rotary_factor", 0.25))}
+# Keys whose default in mlx-lm's gemma4_text differs from transformers' (a hub config may
+# leave them out): transformers' value, when the config has none.
+GEMMA4_MLX_LM_DEFAULTS = {"num_kv_shared_layers": 0, "use_double_wide_mlp": False, "final_logit_softcapping": None,
+                          "num_key_value_heads": GEMMA4_TEXT_DEFAULTS["num_key_value_heads"],
+                          "hidden_size": GEMMA4_TEXT_DEFAULTS["hidden_size"],
+                          "num_hidden_layers": GEMMA4_TEXT_DEFAULTS["num_hidden_layers"],
+                          "intermediate_size": GEMMA4_TEXT_DEFAULTS["intermediate_size"]}
+
+
+def gemma4_text_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's gemma4_text reads the full layers' head size and KV heads from
+    ``global_head_dim`` and ``num_global_key_value_heads``, which transformers 5 writes as
+    ``per_layer_config``, and has defaults of its own for some keys."""
+    restated = {k: config.get(k, default) for k, default in GEMMA4_MLX_LM_DEFAULTS.items()}
+    config = {**GEMMA4_TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    layer_types = gemma4_layer_types(config)
+    shape = global_layer_shape(config, layer_types)
+    return {**restated, "layer_types": layer_types, "global_head_dim": shape["global_head_dim"] or config["head_dim"],
+            "num_global_key_value_heads": shape["num_global_key_value_heads"] or None}
+
+
+def gemma4_mlx_lm_keys(config: dict) -> dict:
+    text = config.get("text_config") or {}
+    vocab_size = text.get("vocab_size", GEMMA4_TEXT_DEFAULTS["vocab_size"])  # mlx-lm's gemma4 hands its own down
+    return {"vocab_size": vocab_size, "text_config": {**text, **gemma4_text_mlx_lm_keys(text)}}
 
 
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
@@ -70,6 +96,8 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gpt_neox": gpt_neox_mlx_lm_keys,
     # required fields of mlx-lm's apertus that transformers' config has no key for
     "apertus": lambda config: {"mlp_bias": config.get("mlp_bias", False), "post_norm": False, "qk_norm": True},
+    "gemma4_text": gemma4_text_mlx_lm_keys,
+    "gemma4": gemma4_mlx_lm_keys,
 }
 
 

@@ -29,6 +29,7 @@ from ..cpu.attention import (
 from ..cpu.quantized_attention import in_float32
 from .cache import CausalRows, CrossAttentionCache, QuantizedKV, window_mask
 from .config import ModelArgs
+from .kv_sharing import SharedKV, first_shared_layer
 from .layers import RMSNorm
 from .local_attention import l2_norm, temperature_scales
 from .positions import make_rope
@@ -135,15 +136,24 @@ class Attention(nn.Module):
         super().__init__()
         D = args.hidden_size
         self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
+        # Gemma 4: full-attention layers may have their own head size and KV heads
+        full = args.layer_types[layer_idx] == "full_attention"
+        self.n_kv_heads = args.num_global_key_value_heads if full and args.num_global_key_value_heads \
+            else args.num_key_value_heads
+        self.head_dim = args.global_head_dim if full and args.global_head_dim else args.head_dim
         self.scale = args.attention_scale
         self.softcap = args.attn_logit_softcapping
         self.output_gate = args.attn_output_gate
+        self.keys_are_values = args.attention_k_eq_v and full  # Gemma 4: values from k_proj too
+        self.value_norm_eps = args.norm_eps if args.value_norm else None
+        # KV-shared layers (kv_sharing.py) attend with another layer's keys and values
+        self.reads_shared_kv = layer_idx >= first_shared_layer(args)
         q_rows = self.n_heads * self.head_dim * (2 if self.output_gate else 1)  # gated: each head's gate too
         self.q_proj = nn.Linear(D, q_rows, bias=args.attention_bias)
-        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
-        self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        if not self.reads_shared_kv:
+            self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        if not (self.reads_shared_kv or self.keys_are_values):
+            self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=args.attention_out_bias)
         if args.attention_sinks:
             self.sinks = mx.zeros((self.n_heads,))
@@ -157,9 +167,10 @@ class Attention(nn.Module):
             q_dims = self.head_dim if per_head else self.n_heads * self.head_dim
             k_dims = self.head_dim if per_head else self.n_kv_heads * self.head_dim
             self.q_norm = RMSNorm(q_dims, args.norm_eps, args.norm_weight_offset)
-            self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
+            if not self.reads_shared_kv:
+                self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
-        self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
+        self.rope = make_rope(args, args.layer_types[layer_idx], self.head_dim) if rotates else None
         # Llama 4: an L2 q/k norm on the rotating layers, a temperature on the others
         self.l2_eps = args.norm_eps if args.qk_l2_norm and rotates else None
         self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not rotates else None
@@ -167,6 +178,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if isinstance(cache, CrossAttentionCache):
             return self._cross_attention(x, cache)
+        if isinstance(cache, SharedKV):
+            return self._shared_kv_attention(x, mask, cache)
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
         gate = None
@@ -196,7 +209,8 @@ class Attention(nn.Module):
         """``_heads`` for one position in one call of the CPU kernels (products, layout and
         RoPE together), where they take it and nothing comes between the products and RoPE
         (clipping, q/k norms, YaRN's scaling); else None."""
-        if self.clip_qkv is not None or self.qk_norm_scope is not None:
+        if self.clip_qkv is not None or self.qk_norm_scope is not None or self.keys_are_values \
+                or self.value_norm_eps is not None:
             return None
         if self.l2_eps is not None or self.temperature is not None:
             return None
@@ -210,9 +224,7 @@ class Attention(nn.Module):
     def _heads(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values (B, heads, L, head_dim), queries and keys rotated to
         their positions (from ``offset``)."""
-        projected = cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x)
-        queries, keys, values = projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self._shaped_heads(queries, keys, values, offset)
+        return self._shaped_heads(*self._projections(x), offset)
 
     def _shaped_heads(self, queries, keys, values, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Projected (B, L, heads * head_dim) -> clipped, normed, (B, heads, L, head_dim), rotated."""
@@ -227,6 +239,8 @@ class Attention(nn.Module):
         values = values.reshape(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm_scope == "head":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm_eps is not None:  # Gemma 4: RMS norm of each value head, no scale
+            values = mx.fast.rms_norm(values, None, self.value_norm_eps)
         # -> (B, heads, L, head_dim), the layout attention and the cache work in
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if self.rope is not None:
@@ -236,6 +250,33 @@ class Attention(nn.Module):
         if self.temperature is not None:
             queries = queries * temperature_scales(offset, L, *self.temperature).astype(queries.dtype)
         return queries, keys, values
+
+    def _projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k and v projections of x (B, L, D); with ``keys_are_values`` the values are
+        the keys' projection (before the keys' norm and rotation)."""
+        if self.keys_are_values:
+            projected = cpu_linear.fused_products((self.q_proj, self.k_proj), x)
+            queries, keys = projected or (self.q_proj(x), self.k_proj(x))
+            return queries, keys, keys
+        projected = cpu_linear.fused_products((self.q_proj, self.k_proj, self.v_proj), x)
+        return projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+
+    def _shared_kv_attention(self, x: mx.array, mask, shared: SharedKV) -> mx.array:
+        """A KV-shared layer: its own queries over the keys and values its source layer
+        fetched in this forward pass (kv_sharing.py)."""
+        B, L, _ = x.shape
+        queries = self.q_proj(x)
+        if self.qk_norm_scope == "projection":
+            queries = self.q_norm(queries)
+        queries = queries.reshape(B, L, self.n_heads, self.head_dim)  # (B, L, n_heads, head_dim)
+        if self.qk_norm_scope == "head":
+            queries = self.q_norm(queries)
+        queries = queries.transpose(0, 2, 1, 3)  # (B, n_heads, L, head_dim)
+        if self.rope is not None:
+            queries = self.rope(queries, shared.offset)
+        keys, values = shared.fetch()
+        out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _cross_attention(self, x: mx.array, cross: CrossAttentionCache) -> mx.array:
         """Queries from the decoder's ``x``, keys and values from the encoder's output,

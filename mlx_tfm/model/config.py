@@ -162,6 +162,24 @@ class ModelArgs:
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
     router_scales_input: bool = False
+    # Gemma 4 (model/kv_sharing.py, model/per_layer_inputs.py): full-attention layers with their
+    # own head size and KV heads (0: as the others), keys doubling as values there; values
+    # RMS-normed without a scale; the last num_kv_shared_layers layers attend with the keys and
+    # values of the last earlier layer of their type and keep no cache (their FFN twice as
+    # wide with double_wide_mlp); a second embedding table and a projection of the embeddings
+    # giving each layer an input of hidden_size_per_layer_input; each block's output times a
+    # learned layer_scalar; experts_beside_mlp experts routed beside each dense FFN
+    # (model/experts_beside_mlp.py, num_experts_per_tok of them per token, each moe_intermediate_size wide)
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    attention_k_eq_v: bool = False
+    value_norm: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    layer_scalar: bool = False
+    experts_beside_mlp: int = 0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

@@ -21,6 +21,8 @@ def rope_inverse_frequencies(dims: int, base: float, scaling: dict | None, max_p
         return _llama3_frequencies(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_frequencies(inv_freq, dims, base, scaling, max_position_embeddings)
+    if kind == "proportional":
+        return _proportional_frequencies(inv_freq, scaling)
     return inv_freq
 
 
@@ -44,6 +46,14 @@ def _llama3_frequencies(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(medium, blended, scaled)
+
+
+def _proportional_frequencies(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    """Gemma 4's global layers: the first ``partial_rotary_factor`` of the head's rotation
+    pairs (i, i + dims/2) turn at base^(-2i/dims), over the whole head's dims, not the
+    rotated ones; the other pairs stand still (frequency 0, an infinite period)."""
+    rotated = int(scaling.get("partial_rotary_factor", 1.0) * len(inv_freq))
+    return np.concatenate([inv_freq[:rotated], np.zeros(len(inv_freq) - rotated)]) / scaling.get("factor", 1.0)
 
 
 def _yarn_frequencies(inv_freq, dims, base, scaling, max_position_embeddings) -> np.ndarray:
@@ -90,13 +100,14 @@ class RoPE(nn.Module):
         self.dims = dims
         self.traditional = traditional
         kind = rope_type(scaling)
-        if kind not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(f"unsupported rope scaling {kind!r} (linear, llama3, yarn)")
+        if kind not in ("default", "linear", "llama3", "yarn", "proportional"):
+            raise ValueError(f"unsupported rope scaling {kind!r} (linear, llama3, yarn, proportional)")
         self.scale = 1.0 / scaling["factor"] if kind == "linear" else 1.0
         self.attention_factor = yarn_attention_factor(scaling) if kind == "yarn" else 1.0
         inv_freq = rope_inverse_frequencies(dims, base, scaling, max_positions)
         # mx.fast.rope takes periods (1 / theta_i); frozen, not a parameter.
-        self._freqs = mx.array((1.0 / inv_freq).astype(np.float32))
+        with np.errstate(divide="ignore"):  # a frequency of 0 (proportional) is an infinite period
+            self._freqs = mx.array((1.0 / inv_freq).astype(np.float32))
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if self.attention_factor != 1.0:
@@ -127,10 +138,11 @@ def fused_rope(x: mx.array, freqs: mx.array, offset: mx.array, dims: int, tradit
     return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=scale, offset=offset, freqs=freqs)
 
 
-def make_rope(args, layer_type: str = "full_attention") -> RoPE:
+def make_rope(args, layer_type: str = "full_attention", head_dim: int | None = None) -> RoPE:
     """The rotary embedding of one layer: sliding-window layers take ``rope_local_theta``
-    unscaled when it is set (Gemma 3, OLMo 3), every other layer the model's own."""
-    dims = int(args.head_dim * args.partial_rotary_factor)
+    unscaled when it is set (Gemma 3, OLMo 3), every other layer the model's own.
+    ``head_dim``: the layer's own head size where layers differ (Gemma 4)."""
+    dims = int((head_dim or args.head_dim) * args.partial_rotary_factor)
     if layer_type == "sliding_attention" and args.rope_local_theta is not None:
         return RoPE(dims, args.rope_traditional, args.rope_local_theta, None, args.max_position_embeddings)
     return RoPE(dims, args.rope_traditional, args.rope_theta, args.rope_scaling, args.max_position_embeddings)

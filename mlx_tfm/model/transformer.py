@@ -19,10 +19,14 @@ from .attention import Attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
+from .experts_beside_mlp import add_modules as add_beside_experts
+from .experts_beside_mlp import with_experts
+from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import MLP, gated_activation, make_norm
 from .local_attention import chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
+from .per_layer_inputs import add_per_layer_input, block_modules, per_layer_inputs, stack_modules
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
 from .state_cache import StateCache
@@ -31,7 +35,9 @@ from .state_cache import StateCache
 def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
     """The layer's FFN: the dense MLP, or a mixture of experts (with its shared expert)."""
     if not args.has_experts(layer_idx):
-        return MLP(args)
+        # Gemma 4's double-wide MLP: the KV-shared layers' FFN is twice as wide
+        wide = args.double_wide_mlp and layer_idx >= first_shared_layer(args)
+        return MLP(args, 2 * args.intermediate_size if wide else None)
     shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
     if args.swiglu_limit is not None:
         activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
@@ -94,8 +100,28 @@ class TransformerBlock(nn.Module):
                 raise ValueError("cross-attention is only defined for the pre-norm placement")
             self.cross_attn = Attention(args, layer_idx)
             self.cross_attn_layernorm = make_norm(args)
+        self.per_layer_act = args.hidden_act if args.hidden_size_per_layer_input else None
+        if self.per_layer_act:  # Gemma 4 (per_layer_inputs.py)
+            self.per_layer_input_gate, self.per_layer_projection, self.post_per_layer_input_norm = block_modules(args)
+        self.experts_beside = args.experts_beside_mlp > 0
+        if self.experts_beside:  # Gemma 4 (experts_beside_mlp.py)
+            if self.placement != "sandwich":
+                raise ValueError("experts beside the MLP are only defined for the sandwich placement")
+            add_beside_experts(self, args)
+        self.scales_output = args.layer_scalar
+        if self.scales_output:  # Gemma 4: a learned scalar times the block's output
+            self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, cross: CrossAttentionCache | None = None,
+                 per_layer_input: mx.array | None = None) -> mx.array:
+        """x (B, L, D) -> (B, L, D); ``per_layer_input`` (B, L, P): this layer's own input
+        (Gemma 4), added gated after the FFN."""
+        h = self._sublayers(x, mask, cache, cross)
+        if self.per_layer_act:
+            h = add_per_layer_input(self, h, per_layer_input, self.per_layer_act)
+        return h * self.layer_scalar if self.scales_output else h
+
+    def _sublayers(self, x: mx.array, mask, cache, cross: CrossAttentionCache | None) -> mx.array:
         if self.sublayers != "mixer+mlp":
             return self._one_sublayer(x, mask, cache)
         if not self.residual:
@@ -123,7 +149,10 @@ class TransformerBlock(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(h))
         # Gemma 2 and 3: normalise each sublayer's input and its output.
         h = settled(x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), mask, cache)))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.experts_beside:  # Gemma 4: routed experts beside the dense FFN
+            ffn = with_experts(self, h, ffn)
+        return h + self.post_feedforward_layernorm(ffn)
 
     @property
     def mixer(self) -> nn.Module | None:
@@ -196,6 +225,9 @@ class TransformerModel(nn.Module):
             raise ValueError("chunked_attention layers need attention_chunk_size")
         if args.final_norm:
             self.norm = make_norm(args)
+        if args.hidden_size_per_layer_input:  # Gemma 4 (per_layer_inputs.py)
+            self.embed_tokens_per_layer, self.per_layer_model_projection, self.per_layer_projection_norm = (
+                stack_modules(args))
 
     def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
                  cross: list[CrossAttentionCache] | None = None) -> mx.array:
@@ -218,10 +250,15 @@ class TransformerModel(nn.Module):
             h = h + self.embed_token_types(types)
         if self.args.embedding_norm:
             h = self.embed_norm(h)
+        per_layer = per_layer_inputs(self, inputs, h) if self.args.hidden_size_per_layer_input else None
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
+        if self.args.num_kv_shared_layers:  # Gemma 4: the shared layers read their source's (kv_sharing.py)
+            cache = wire_shared_caches(self.args, cache)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            if cross is None:
+            if per_layer is not None:
+                h = settled(layer(h, masks[i], layer_cache, per_layer_input=per_layer[:, :, i]))
+            elif cross is None:
                 h = settled(layer(h, masks[i], layer_cache))
             else:
                 h = settled(layer(h, masks[i], layer_cache, cross[i]))
@@ -239,6 +276,8 @@ class TransformerModel(nn.Module):
         caches = cache if cache is not None else [None] * len(self.layers)
         if mask is not None:
             return [mask] * len(self.layers)
+        if self.args.num_kv_shared_layers:  # a shared layer attends as its source does
+            caches = [caches[source] for source in kv_sources(self.args)]
         return [self._mask(length, c, w) if chunk is None else chunked_mask(c.offset if c is not None else 0, length, chunk)
                 for c, w, chunk in zip(caches, self.windows, self.chunks)]
 
@@ -304,7 +343,8 @@ class Model(nn.Module):
         ``max_kv_size`` bounds every attention layer but chunked ones with a rotating
         cache; recurrent layers make their own (a ``StateCache``, fixed in size)."""
         caches = []
-        for layer, window, chunk in zip(self.layers, self.model.windows, self.model.chunks):
+        own_caches = first_shared_layer(self.args)  # KV-shared layers keep none (kv_sharing.py)
+        for layer, window, chunk in zip(self.layers[:own_caches], self.model.windows, self.model.chunks):
             if layer.mixer is None:  # an MLP-only block: nothing to remember
                 caches.append(StateCache(0))
                 continue
