@@ -1,7 +1,8 @@
 """Anthropic's Messages API beside OpenAI's, for coding agents and Anthropic's clients:
 ``POST /v1/messages`` (system as a string or text blocks; text, tool_use, tool_result and
 thinking blocks; tools with ``input_schema`` and ``tool_choice``; typed server-sent events
-when streaming; ``stop_reason`` and ``usage``) and ``POST /v1/messages/count_tokens``.
+when streaming; ``output_config`` for an answer held to a JSON schema; ``stop_reason`` and
+``usage``) and ``POST /v1/messages/count_tokens``.
 A request is translated into an OpenAI chat request and runs through the same machinery
 (completions.py); failures are Anthropic's ``{"type": "error", "error": {...}}``."""
 
@@ -97,6 +98,18 @@ class ThinkingConfig(Lenient):
     budget_tokens: int | None = None
 
 
+class OutputFormat(Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Lenient):
+    """Structured outputs (the answer held to a JSON schema) and the effort to reason with."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -104,6 +117,7 @@ class CountTokensRequest(Lenient):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
     def check_fields(self) -> None:
         for i, message in enumerate(self.messages):
@@ -163,6 +177,19 @@ def openai_tool_choice(choice: ToolChoice | None):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def output_fields(config: OutputConfig | None) -> dict:
+    """output_config as OpenAI's response_format and reasoning_effort (whose top is "high")."""
+    if config is None:
+        return {}
+    fields: dict[str, Any] = {}
+    if config.format is not None:
+        fields["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": "output", "schema": config.format.schema_}}
+    if config.effort is not None:
+        fields["reasoning_effort"] = config.effort if config.effort in ("low", "medium") else "high"
+    return fields
+
+
 def translated(request: CountTokensRequest) -> ChatCompletionRequest:
     """The OpenAI request of an Anthropic one (a value out of range is a 400 naming it)."""
     tool_names: dict[str, str] = {}
@@ -177,6 +204,7 @@ def translated(request: CountTokensRequest) -> ChatCompletionRequest:
             for tool in request.tools]
     if request.thinking is not None:
         fields["enable_thinking"] = request.thinking.type != "disabled"
+    fields.update(output_fields(request.output_config))
     if isinstance(request, MessagesRequest):
         fields.update(max_tokens=request.max_tokens, stop=request.stop_sequences, temperature=request.temperature,
                       top_p=request.top_p, top_k=request.top_k)
