@@ -266,7 +266,7 @@ def message_object(message_id: str, model: str, content: list[dict], stop: tuple
 
 async def whole_message(serving, generation: Generation, choice, stopping: Stopping, model: str) -> dict:
     final = None
-    async for _, event in answer_deltas(serving, generation, choice):
+    async for _, _, event in answer_deltas(serving, generation, choice):
         stopping.add(event)
         final = event
     return message_object(f"msg_{uuid.uuid4().hex[:24]}", model, content_blocks(choice.answer),
@@ -325,7 +325,7 @@ async def message_events(serving, generation: Generation, choice, stopping: Stop
     yield {"type": "message_start", "message": message_object(f"msg_{uuid.uuid4().hex[:24]}", model, [],
                                                               (None, None), input_tokens, 0)}
     blocks = BlockStream()
-    async for delta, event in answer_deltas(serving, generation, choice):
+    async for delta, _, event in answer_deltas(serving, generation, choice):
         stopping.add(event)
         for block_event in blocks.delta(delta):
             yield block_event

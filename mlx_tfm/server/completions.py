@@ -293,16 +293,17 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, generati
 
 
 async def answer_deltas(serving: Serving, generation: Generation,
-                        choice: ChatChoice) -> AsyncIterator[tuple[Delta, object]]:
-    """The parsed delta of each engine event of a one-choice chat answer, with the event
-    (the Ollama and Anthropic APIs shape these); a failed row raises its APIError."""
+                        choice: ChatChoice) -> AsyncIterator[tuple[Delta, list[dict], object]]:
+    """The parsed delta and logprob entries of each engine event of a one-choice chat
+    answer, with the event (the Ollama and Anthropic APIs shape these); a failed row raises
+    its APIError."""
     async for _, event in generation.events():
         error = failed(serving, event)
         if error is not None:
             generation.cancel()
             raise error
-        delta, _ = choice.add(event)
-        yield delta, event
+        delta, logprobs = choice.add(event)
+        yield delta, logprobs, event
 
 
 # -- legacy completions ---------------------------------------------------------------------------------

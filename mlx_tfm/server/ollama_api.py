@@ -1,6 +1,6 @@
 """Ollama's API beside OpenAI's, for the apps that speak only Ollama's: ``/api/chat`` and
 ``/api/generate`` (NDJSON streams by default, ``format`` as "json" or a JSON schema,
-``options`` for the samplers, ``think``, tools), ``/api/tags``, ``/api/show``, ``/api/ps``,
+``options`` for the samplers, ``think``, tools, logprobs), ``/api/tags``, ``/api/show``, ``/api/ps``,
 ``/api/version``, ``/api/embed`` and ``/api/embeddings`` (on an encoder's server), and
 ``/api/pull`` (nothing is downloaded: the served model is already there, any other is an
 error). A request is translated into an OpenAI chat request and runs through the same
@@ -78,6 +78,8 @@ class OllamaRequest(Lenient):
     stream: bool = True  # Ollama streams unless told not to
     keep_alive: str | float | None = None  # accepted: the served model stays loaded
     think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def check_fields(self) -> None:
         if isinstance(self.format, str) and self.format not in ("", "json"):
@@ -165,6 +167,8 @@ def sampling_fields(request: OllamaRequest) -> dict:
                                                                             "schema": request.format}}
     elif request.format == "json":
         fields["response_format"] = {"type": "json_object"}
+    if request.logprobs:  # the entries are OpenAI's chat ones: token, logprob, bytes, top_logprobs
+        fields.update(logprobs=True, top_logprobs=request.top_logprobs)
     if request.think is not None:
         fields["enable_thinking"] = request.think is not False
         fields["reasoning_effort"] = request.think if isinstance(request.think, str) else None
@@ -242,20 +246,22 @@ class Timing:
 async def ollama_stream(serving, generation: Generation, choice, model: str, piece) -> AsyncIterator[dict]:
     """Ollama's stream: a line per piece of the answer, then the final one with the counts."""
     timing = Timing()
-    async for delta, event in answer_deltas(serving, generation, choice):
+    async for delta, logprobs, event in answer_deltas(serving, generation, choice):
         timing.token(event.generation_tokens)
-        if delta:
-            yield {"model": model, "created_at": timestamp(), **piece(delta), "done": False}
+        if delta or logprobs:
+            yield {"model": model, "created_at": timestamp(), **piece(delta), "done": False,
+                   **({"logprobs": logprobs} if logprobs else {})}
         if event.finish_reason is not None:
             yield {"model": model, "created_at": timestamp(), **piece(Delta()), **timing.final(event)}
 
 
 async def ollama_answer(serving, generation: Generation, choice, model: str, piece) -> dict:
     timing, final = Timing(), None
-    async for _, event in answer_deltas(serving, generation, choice):
+    async for _, _, event in answer_deltas(serving, generation, choice):
         timing.token(event.generation_tokens)
         final = event
-    return {"model": model, "created_at": timestamp(), **piece(choice.answer), **timing.final(final)}
+    logprobs = {} if choice.logprobs is None else {"logprobs": choice.logprobs}
+    return {"model": model, "created_at": timestamp(), **piece(choice.answer), **timing.final(final), **logprobs}
 
 
 def ndjson(chunk: dict) -> bytes:

@@ -272,6 +272,24 @@ def test_greedy_generate_equals_the_openai_endpoints(stories, stories_hf):
     assert "".join(c.response for c in streamed) == expected
 
 
+def test_logprobs_equal_the_openai_endpoints(stories, stories_hf):
+    """Ollama's logprobs are OpenAI's chat entries (tested against mlx-lm in test_server.py)."""
+    chat = [{"role": "user", "content": "Tell me a story about a cat."}]
+    expected = openai.OpenAI(base_url=stories.url, api_key="unused", max_retries=0).chat.completions.create(
+        model=stories_hf.name, messages=chat, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3).choices[0].logprobs.content
+    client = ollama.Client(host=stories.root, timeout=60)
+    options = {"num_predict": 6, "temperature": 0}
+    answer = client.chat(stories_hf.name, messages=chat, logprobs=True, top_logprobs=3, options=options)
+    streamed = [entry for chunk in client.chat(stories_hf.name, messages=chat, logprobs=True, top_logprobs=3,
+                                               options=options, stream=True) for entry in chunk.logprobs or []]
+    for entries in (answer.logprobs, streamed):
+        assert [e.token for e in entries] == [e.token for e in expected]
+        assert np.allclose([e.logprob for e in entries], [e.logprob for e in expected], atol=1e-5)
+        assert [[t.token for t in e.top_logprobs] for e in entries] == \
+            [[t.token for t in e.top_logprobs] for e in expected]
+
+
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     root = tmp_path_factory.mktemp("ollama-embed")
