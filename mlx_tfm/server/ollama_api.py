@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from .completions import answer_deltas, answer_when_done, chat_rows, framed_stream
 from .embeddings import EncoderServing, decoder_only, embeddings_response, encoder_only
@@ -426,8 +426,15 @@ async def embeddings_legacy(http: HTTPRequest, context) -> Response:
     return JSONResponse({"embedding": result["data"][0]["embedding"]})
 
 
+@ollama_endpoint
+async def running_banner(http: HTTPRequest, context) -> Response:
+    """What Ollama answers at its root: apps check it to find a server."""
+    return PlainTextResponse("Ollama is running")
+
+
 # (path, method, handler, the prefixes it answers under): app.py adds them to its ROUTES.
 OLLAMA_ROUTES = (
+    ("/", "GET", running_banner, ("",)),
     ("/api/chat", "POST", chat, ("",)),
     ("/api/generate", "POST", generate, ("",)),
     ("/api/tags", "GET", tags, ("",)),

@@ -207,6 +207,7 @@ def test_tags_show_ps_version(scripted, client, root):
     (loaded,) = client.ps().models
     assert loaded.model == MODEL
     assert httpx.get(f"{root}/api/version").json()["version"].count(".") == 2
+    assert httpx.get(f"{root}/").text == "Ollama is running" and httpx.head(f"{root}/").status_code == 200
 
 
 def test_pull_is_offline(client):
