@@ -24,7 +24,7 @@ from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
 from .output import Delta
-from .prompts import chat_prompt
+from .prompts import arguments_object, chat_prompt
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
 
 log = logging.getLogger("mlx_tfm.server")
@@ -221,7 +221,7 @@ def translated(request: CountTokensRequest) -> ChatCompletionRequest:
 
 def tool_use_block(call) -> dict:
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name,
-            "input": json.loads(call.arguments)}
+            "input": arguments_object(call.arguments)}
 
 
 def content_blocks(answer: Delta) -> list[dict]:

@@ -25,6 +25,7 @@ from .embeddings import EncoderServing, decoder_only, embeddings_response, encod
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
 from .output import Delta
+from .prompts import arguments_object
 from .protocol import ChatCompletionRequest, Lenient, Tool, parse_body, validation_error
 
 log = logging.getLogger("mlx_tfm.server")
@@ -119,13 +120,18 @@ class EmbedRequest(Lenient):
         """Nothing across fields."""
 
 
-class PullRequest(Lenient):
+class ModelRequest(Lenient):
+    """/api/show's body: the model's name."""
+
     model: str = ""
     name: str = ""  # the older spelling of model
-    stream: bool = True
 
     def check_fields(self) -> None:
         """Nothing across fields."""
+
+
+class PullRequest(ModelRequest):
+    stream: bool = True
 
 
 # -- translation into an OpenAI chat request ---------------------------------------------------------
@@ -208,7 +214,8 @@ def timestamp() -> str:
 
 
 def ollama_tool_calls(delta: Delta) -> list[dict]:
-    return [{"function": {"name": call.name, "arguments": json.loads(call.arguments)}} for call in delta.tool_calls]
+    return [{"function": {"name": call.name, "arguments": arguments_object(call.arguments)}}
+            for call in delta.tool_calls]
 
 
 def chat_piece(delta: Delta) -> dict:
@@ -369,7 +376,7 @@ def capabilities(serving) -> list[str]:
 
 @ollama_endpoint
 async def show(http: HTTPRequest, context) -> Response:
-    request = parse_body(await context.body(http), PullRequest)
+    request = parse_body(await context.body(http), ModelRequest)
     serving = context.state.ready_serving()
     serving.check_model(served_name(request.model or request.name))
     details = model_details(serving)
