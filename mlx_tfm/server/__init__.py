@@ -1,4 +1,5 @@
-"""`mlx-tfm server`: an OpenAI-compatible HTTP API over the batching engine.
+"""`mlx-tfm server`: an OpenAI-compatible HTTP API over the batching engine (and Ollama's
+and Anthropic's APIs beside it).
 
 Layer 6 (an interface): it imports everything below it and nothing imports it. The HTTP
 side (Starlette, pydantic, uvicorn, imported only by `mlx-tfm server`) never touches MLX:
@@ -16,6 +17,8 @@ Modules, by job:
     responses     OpenAI response objects, stream chunks, usage and logprobs
     engine_client the asyncio side of the engine: submit, events, cancel on disconnect
     completions   the two completion endpoints, streaming and not
+    ollama_api    Ollama's API (/api/chat, /api/generate, tags, show, embed...) on the same machinery
+    anthropic_api Anthropic's Messages API (/v1/messages, count_tokens) on the same machinery
     metrics       Prometheus text for /metrics
     app           the Starlette app: routes, API key, CORS, body limit, model loading
     serve         uvicorn with a clean Ctrl-C / SIGTERM

@@ -19,10 +19,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
+from .anthropic_api import ANTHROPIC_ROUTES
 from .completions import Serving, chat_completions, completions
 from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
 from .metrics import RequestCounter, prometheus_text
+from .ollama_api import OLLAMA_ROUTES
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_tfm.server")
@@ -58,6 +60,7 @@ def load_serving(settings: ServerSettings) -> Serving:
     rotating = settings.max_kv_size is not None and model.args.position_embedding != "learned"
     return Serving(
         engine=engine, tokenizer=tokenizer, model_id=model_id_of(settings.model), vocab_size=model.args.vocab_size,
+        model_type=model.args.model_type,
         context=None if rotating else model.args.max_position_embeddings, settings=settings,
         grammar_tokenizer=grammar_tokenizer(tokenizer), texts=responses.TokenTexts(tokenizer.token_bytes(), tokenizer.decode),
     )
@@ -116,6 +119,10 @@ class AppContext:
     @property
     def settings(self) -> ServerSettings:
         return self.state.settings
+
+    async def body(self, http: HTTPRequest) -> bytes:
+        """The request's body, refused past the server's limit (the Ollama and Anthropic handlers read it so)."""
+        return await read_body(http, self.settings.max_body_bytes)
 
     def model_card(self) -> dict:
         return {"id": self.state.model_id, "object": "model", "created": self.state.created, "owned_by": "mlx-tfm"}
@@ -215,7 +222,7 @@ ROUTES = (
     ("/models/{model:path}", "GET", get_model, API_PREFIXES),
     ("/health", "GET", health, ("",)),
     ("/metrics", "GET", metrics, ("",)),
-)
+) + OLLAMA_ROUTES + ANTHROPIC_ROUTES  # Ollama's /api/... and Anthropic's /v1/messages beside OpenAI's
 
 
 def build_app(state: ServerState) -> Starlette:

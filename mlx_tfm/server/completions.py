@@ -58,6 +58,7 @@ class Serving:
     grammar_tokenizer: object  # llguidance's view of the tokenizer (None: no per-token bytes)
     texts: objects.TokenTexts
     stopping: threading.Event = field(default_factory=threading.Event)  # set at Ctrl-C / SIGTERM
+    model_type: str = ""  # the architecture (Ollama's /api/show and /api/tags name it)
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model_id:
@@ -165,10 +166,20 @@ async def chat_completions(serving: Serving, http: HTTPRequest, body: bytes) -> 
 
 def prepare_chat(serving: Serving, body: bytes) -> tuple[ChatCompletionRequest, list[Request], list[ChatChoice]]:
     """The request, its engine rows (one per choice) and the choices' parsers."""
-    request = parse_body(body, ChatCompletionRequest)
+    return chat_rows(serving, parse_body(body, ChatCompletionRequest))
+
+
+def chat_rows(serving: Serving, request: ChatCompletionRequest,
+              raw_prompt: str | None = None) -> tuple[ChatCompletionRequest, list[Request], list[ChatChoice]]:
+    """The engine rows and parsers of a parsed chat request (the Ollama and Anthropic APIs
+    translate theirs into one). ``raw_prompt``: a text given as it is, with no chat template
+    (Ollama's ``raw`` generate), encoded as a legacy completion's prompt."""
     serving.check_model(request.model)
-    prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
-    ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
+    if raw_prompt is None:
+        prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
+        ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
+    else:
+        prompt_text, ids = raw_prompt, text_prompt(serving.tokenizer, raw_prompt)
     check_prompt(ids, serving.vocab_size, serving.context, "messages")
 
     tool_format, reasoning = answer_formats(serving.settings, serving.tokenizer.chat_template, request)
@@ -279,6 +290,20 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, generati
             yield chunk(objects.chat_chunk_choice(row, {}, choice.finish_reason))
     if request.include_usage:
         yield objects.usage_chunk(response_id, serving.model_id, created, "chat.completion.chunk", usage.usage)
+
+
+async def answer_deltas(serving: Serving, generation: Generation,
+                        choice: ChatChoice) -> AsyncIterator[tuple[Delta, list[dict], object]]:
+    """The parsed delta and logprob entries of each engine event of a one-choice chat
+    answer, with the event (the Ollama and Anthropic APIs shape these); a failed row raises
+    its APIError."""
+    async for _, event in generation.events():
+        error = failed(serving, event)
+        if error is not None:
+            generation.cancel()
+            raise error
+        delta, logprobs = choice.add(event)
+        yield delta, logprobs, event
 
 
 # -- legacy completions ---------------------------------------------------------------------------------
@@ -421,6 +446,29 @@ async def server_sent_events(chunks: AsyncIterator[dict], generation: Generation
     finally:
         generation.cancel()
     yield b"data: [DONE]\n\n"
+
+
+def framed_stream(chunks: AsyncIterator[dict], generation: Generation, frame: Callable[[dict], bytes],
+                  error_frame: Callable[[APIError], bytes], media_type: str) -> StreamingResponse:
+    """A stream in another API's framing (Ollama's NDJSON lines, Anthropic's typed events):
+    each chunk through ``frame``; a failure ends it with ``error_frame`` (one line to the
+    client, the traceback to the log); the rows are cancelled when it ends or the client leaves."""
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield frame(chunk)
+        except APIError as e:
+            log.warning("stream ended with an error: %s", e.message)
+            yield error_frame(e)
+        except Exception:
+            log.exception("a streamed answer failed")
+            yield error_frame(internal_error())
+        finally:
+            generation.cancel()
+
+    return StreamingResponse(frames(), media_type=media_type, headers={"Cache-Control": "no-cache",
+                                                                         "X-Accel-Buffering": "no"})
 
 
 def sse(payload: dict) -> bytes:
