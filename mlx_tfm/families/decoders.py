@@ -125,14 +125,17 @@ OLMO3_DEFAULT_THETA = 500_000.0
 
 
 def olmo3_args(config: dict) -> dict:
-    """OLMo 2 with sliding-window layers (three in four), which rotate unscaled with the
-    same base; a config without ``rope_theta`` takes transformers' default base."""
+    """OLMo 2 with sliding-window layers (three in four), which rotate unscaled. Their base
+    is the sliding layers' own ``rope_parameters`` entry; a config in the older layout
+    (``rope_theta`` and ``rope_scaling`` at the top) gives them transformers 5's default
+    base, as transformers 5 reads such a file (the released checkpoints use that base for
+    every layer, so for them both readings agree)."""
     n_layers = config["num_hidden_layers"]
     three_in_four = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
     args = olmo2_args({"rope_theta": OLMO3_DEFAULT_THETA, **config})
     return {
         **args,
-        "rope_local_theta": args.get("rope_local_theta", args["rope_theta"]),
+        "rope_local_theta": args.get("rope_local_theta", OLMO3_DEFAULT_THETA),
         "sliding_window": config.get("sliding_window", 4096),
         "layer_types": config.get("layer_types") or three_in_four,
     }

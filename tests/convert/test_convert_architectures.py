@@ -240,14 +240,23 @@ def test_gemma3_transformers5_tensor_names(tmp_path):
     np.testing.assert_allclose(our_logits(model, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
 
-def test_olmo3_transformers4_config_layout():
-    """transformers 4's OLMo 3 rotated its sliding layers unscaled with the same base."""
+@pytest.mark.parametrize("theta", [500.0, 500000.0])
+def test_olmo3_older_config_layout_reads_as_transformers_5_reads_it(theta):
+    """A config with ``rope_theta`` and ``rope_scaling`` at the top (the released files'
+    layout): the full layers take them, and the sliding layers rotate unscaled with the
+    base transformers 5 gives them (its default, whatever ``rope_theta`` says)."""
+    from transformers import AutoConfig
+
     from mlx_tfm.families import model_args_from_config
 
-    v5 = {**TINY_CONFIGS["olmo3"], "model_type": "olmo3"}
-    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
-    v4.update(rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    assert model_args_from_config(v4) == model_args_from_config(v5)
+    older = {k: v for k, v in TINY_CONFIGS["olmo3"].items() if k != "rope_parameters"}
+    older.update(model_type="olmo3", rope_theta=theta, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    reference = AutoConfig.for_model(**older).rope_parameters
+    args = model_args_from_config(older)
+    assert args.rope_theta == reference["full_attention"]["rope_theta"] == theta
+    assert args.rope_scaling["factor"] == reference["full_attention"]["factor"]
+    assert args.rope_local_theta == reference["sliding_attention"]["rope_theta"]
+    assert reference["sliding_attention"]["rope_type"] == "default"
 
 
 def test_phi_transformers4_config_layout():

@@ -61,12 +61,15 @@ YARN_AS_RELEASED = {"rope_type": "yarn", "factor": 8.0, "original_max_position_e
                     "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1}
 
 
-def test_olmo3_released_config_in_transformers4_style(tmp_path):
-    """Olmo-3 7B/32B's RoPE: YaRN with its attention factor on the full layers, base 500000."""
+@pytest.mark.parametrize("theta", [500000.0, 10000.0])
+def test_olmo3_released_config_in_transformers4_style(theta, tmp_path):
+    """Olmo-3 7B/32B's RoPE: YaRN with its attention factor on the full layers, base 500000;
+    and another base, which transformers 5 gives the full layers only (the sliding ones
+    keep its default, 500000)."""
     from transformers import AutoModelForCausalLM
 
     config = {k: v for k, v in TINY_CONFIGS["olmo3"].items() if k != "rope_parameters"}
-    rope = dict(rope_theta=500000.0, max_position_embeddings=65536, rope_scaling=YARN_AS_RELEASED)
+    rope = dict(rope_theta=theta, max_position_embeddings=65536, rope_scaling=YARN_AS_RELEASED)
     make_hf_model("olmo3", tmp_path / "hf", rope_parameters=None, **{**config, **rope})
     transformers4_config(tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float().eval()
