@@ -15,8 +15,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .completions import Serving, chat_completions, completions
@@ -43,6 +44,7 @@ def load_serving(settings: ServerSettings) -> Serving:
     from ..loading import load
     from . import responses
     from .constrained import grammar_tokenizer
+    from .scoring import PromptScorer
 
     world = current()  # the ranks a split model is shared with (cli/sharding_flags.py joins them)
     model, tokenizer = load(settings.model, adapter_path=settings.adapter_path, shard=splitter(settings.split, world))
@@ -60,6 +62,7 @@ def load_serving(settings: ServerSettings) -> Serving:
         engine=engine, tokenizer=tokenizer, model_id=model_id_of(settings.model), vocab_size=model.args.vocab_size,
         context=None if rotating else model.args.max_position_embeddings, settings=settings,
         grammar_tokenizer=grammar_tokenizer(tokenizer), texts=responses.TokenTexts(tokenizer.token_bytes(), tokenizer.decode),
+        scorer=PromptScorer(model) if world.size == 1 else None,  # a split model's pass needs every rank
     )
 
 
@@ -125,6 +128,10 @@ def json_error(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+# nginx's "client closed request": what /metrics counts for a client that left (never a 500)
+CLIENT_LEFT = 499
+
+
 def endpoint(handler):
     """A Starlette endpoint from ``handler(http, context)``. Every failure of the handler
     becomes an OpenAI error body: APIError as it says, any other exception a 500 with one
@@ -136,6 +143,9 @@ def endpoint(handler):
             return await handler(http, http.app.state.context)
         except APIError as e:
             return json_error(e)
+        except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing failed
+            log.info("%s %s: the client left before its body was sent", http.method, http.url.path)
+            return Response(status_code=CLIENT_LEFT)
         except Exception:
             log.exception("%s %s failed", http.method, http.url.path)
             return json_error(internal_error())
@@ -186,7 +196,7 @@ async def list_models(http: HTTPRequest, context: AppContext):
 
 async def get_model(http: HTTPRequest, context: AppContext):
     name = http.path_params["model"]
-    if name != context.state.model_id:
+    if name not in (context.state.model_id, context.settings.model):  # the id, or --model as given
         raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     return JSONResponse(context.model_card())
 
