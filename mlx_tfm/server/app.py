@@ -23,6 +23,7 @@ from starlette.routing import Route
 from .completions import Serving, chat_completions, completions
 from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
+from .infill import infill
 from .metrics import RequestCounter, prometheus_text
 from .settings import ServerSettings
 
@@ -180,6 +181,11 @@ async def complete(http: HTTPRequest, context: AppContext):
     return await completions(decoder_only(context.state.ready_serving()), http, body)
 
 
+async def fill_in(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await infill(decoder_only(context.state.ready_serving()), http, body)
+
+
 async def embed(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
     return await embeddings(context.state.ready_serving(), http, body)
@@ -219,6 +225,7 @@ API_PREFIXES = ("/v1", "")
 ROUTES = (
     ("/chat/completions", "POST", chat, API_PREFIXES),
     ("/completions", "POST", complete, API_PREFIXES),
+    ("/infill", "POST", fill_in, ("",)),  # llama-server's fill-in-the-middle (server/infill.py)
     ("/embeddings", "POST", embed, API_PREFIXES),
     ("/rerank", "POST", rank, API_PREFIXES),
     ("/models", "GET", list_models, API_PREFIXES),

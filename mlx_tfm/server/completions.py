@@ -40,7 +40,7 @@ from .protocol import (
     parse_body,
 )
 from .fim import fim_prompt
-from .settings import MAX_N, ServerSettings
+from .settings import MAX_ROWS, ServerSettings
 from .tool_formats import ToolFormat, markers_of, tool_format_named, tool_format_of
 
 log = logging.getLogger("mlx_tfm.server")
@@ -326,8 +326,8 @@ def prepare_completion(serving: Serving, body: bytes) -> tuple[CompletionRequest
     request = parse_body(body, CompletionRequest)
     serving.check_model(request.model)
     prompts = completion_prompts(serving, request)
-    if len(prompts) * request.n > MAX_N:
-        raise invalid("n", f"n x prompts is {len(prompts) * request.n} choices; a request may ask for at most {MAX_N}")
+    if len(prompts) * request.n > MAX_ROWS:
+        raise invalid("n", f"n x prompts is {len(prompts) * request.n} choices; a request may ask for at most {MAX_ROWS}")
     score_only = request.max_tokens == 0  # the prompt scored (with echo), nothing generated
     rows, choices = [], []
     for p, (prompt, ids) in enumerate(prompts):
@@ -407,9 +407,9 @@ async def text_stream(serving: Serving, request: CompletionRequest, generation: 
     usage = score_only_usage(request, choices)
 
     def chunk(index: int, text: str, finish_reason: str | None, logprobs) -> dict:
-        body = objects.text_completion(response_id, serving.model_id, created,
+        # No "usage": null before the last chunk (the chat chunks' way): here the spec's usage is not nullable.
+        return objects.text_completion(response_id, serving.model_id, created,
                                        [objects.text_choice(index, text, finish_reason, logprobs)], None)
-        return {**body, "usage": None} if request.include_usage else body
 
     for index, choice in enumerate(choices):
         if choice.text or choice.finish_reason:  # the echoed prompt (and its logprobs); a score-only choice
