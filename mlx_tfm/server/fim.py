@@ -78,11 +78,18 @@ def fim_prompt(tokenizer: Tokenizer, prefix: str, suffix: str, extra: tuple[Extr
     def text(value: str) -> list[int]:
         return tokenizer.encode(value, add_special_tokens=False) if value else []
 
-    start = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    start = document_start(tokenizer)
     context = extra_files_ids(tokenizer, fim, extra)
     if fim.suffix_first:
         return start + context + token(fim.suffix) + text(suffix) + token(fim.prefix) + text(prefix)
     return start + context + token(fim.prefix) + text(prefix) + token(fim.suffix) + text(suffix) + token(fim.middle)
+
+
+def document_start(tokenizer: Tokenizer) -> list[int]:
+    """The BOS token where the tokenizer starts every text with one (CodeLlama,
+    DeepSeek-Coder, Codestral); nothing where it does not (Qwen, StarCoder)."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer.encode("a")[:1] == [bos] else []
 
 
 def extra_files_ids(tokenizer: Tokenizer, fim: FimFormat, extra: tuple[ExtraFile, ...]) -> list[int]:
