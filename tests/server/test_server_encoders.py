@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fixtures.encoder_models import bert_with_tokenizer, sentence_transformer_folder
+from fixtures.openai_spec import check_response
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "the sea is blue"]
 
@@ -22,6 +23,7 @@ def client_for(folder):
 
     state = ServerState(ServerSettings(model=str(folder)))
     client = TestClient(build_app(state))
+    client.event_hooks["response"].append(check_response)  # every JSON answer against OpenAI's spec
     client.__enter__()
     state.loaded.wait(60)
     assert state.load_error is None, state.load_error
