@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
@@ -277,3 +278,23 @@ def test_a_garbage_request_line_gets_an_openai_body(stories):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     assert_spec_valid(json.loads(body), "ErrorResponse")
+
+
+def test_scores_while_the_engine_generates_equal_scores_alone(stories):
+    """Scoring runs beside the engine's thread: its answers must not change for that."""
+    score = {"prompt": SCORED * 10, "max_tokens": 0, "echo": True, "logprobs": 2}
+    alone = httpx.post(stories.url + "/completions", json=score, timeout=60).json()["choices"][0]["logprobs"]
+    results = []
+
+    def post(body):
+        results.append(httpx.post(stories.url + "/completions", json=body, timeout=120))
+
+    threads = [threading.Thread(target=post, args=({"prompt": [1], "max_tokens": 300},)) for _ in range(3)]
+    threads += [threading.Thread(target=post, args=(score,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r.status_code == 200 for r in results)
+    scored = [r.json()["choices"][0]["logprobs"] for r in results if r.json()["usage"]["completion_tokens"] == 0]
+    assert scored == [alone] * 4
