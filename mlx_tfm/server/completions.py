@@ -333,10 +333,10 @@ def prepare_completion(serving: Serving, body: bytes) -> tuple[CompletionRequest
     for p, (prompt, ids) in enumerate(prompts):
         check_prompt(ids, serving.vocab_size, serving.context, "prompt" if len(prompts) == 1 else f"prompt.{p}")
         echo = (prompt if isinstance(prompt, str) else serving.tokenizer.decode(prompt)) if request.echo else ""
-        echoed = echo_logprobs(serving, ids, echo, request.logprobs) if request.echo else None
+        wanted = request.logprobs is not None
+        echoed = echo_logprobs(serving, ids, echo, request.logprobs) if request.echo and wanted else None
         for i in range(request.n):
-            logprobs = copy_logprobs(echoed) if echoed else objects.LegacyLogprobs() if request.logprobs is not None \
-                else None
+            logprobs = (copy_logprobs(echoed) if echoed else objects.LegacyLogprobs()) if wanted else None
             choices.append(TextChoice(echo, logprobs, score_only, len(ids)))
             if not score_only:
                 rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
@@ -359,11 +359,9 @@ def completion_prompts(serving: Serving, request: CompletionRequest) -> list[tup
     return prompts
 
 
-def echo_logprobs(serving: Serving, ids: list[int], echo: str, top: int | None) -> objects.LegacyLogprobs | None:
-    """The echoed prompt's logprobs (None: the request asked for none). Each token's
-    offset is where it starts in the echoed text: the length of the text decoded so far."""
-    if top is None:
-        return None
+def echo_logprobs(serving: Serving, ids: list[int], echo: str, top: int) -> objects.LegacyLogprobs:
+    """The echoed prompt's logprobs, with ``top`` alternatives. Each token's offset is
+    where it starts in the echoed text: the length of the text decoded so far."""
     if serving.scorer is None:
         raise invalid("echo", "this server cannot score prompts (a model split over ranks): echo with logprobs "
                       "is not available")

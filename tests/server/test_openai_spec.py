@@ -149,6 +149,14 @@ def test_max_tokens_0_without_echo_is_an_empty_completion(scripted, http):
     assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] > 0
 
 
+def test_echo_with_logprobs_on_a_server_that_cannot_score_is_a_400(scripted, http):
+    """The scripted server has no model to score with, as a model split over ranks has none."""
+    body = {"prompt": "One", "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = http.post(scripted.url + "/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    assert "cannot score prompts" in response.json()["error"]["message"]
+
+
 def test_a_request_may_name_the_model_by_its_argument(scripted, http):
     """ScriptedServer's --model is "scripted-model", the id too; the stories server below
     checks a path that differs from its id."""
