@@ -35,8 +35,11 @@ class Lenient(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {key: value for key, value in data.items()
-                if value is not None or key not in fields or fields[key].default is None}
+
+        def has_other_default(key: str) -> bool:  # a required field's null stays, for the field to judge
+            return key in fields and not fields[key].is_required() and fields[key].default is not None
+
+        return {key: value for key, value in data.items() if value is not None or not has_other_default(key)}
 
 
 # -- chat messages ------------------------------------------------------------------------
@@ -208,8 +211,8 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(SamplingFields):
-    # None: the spec's default, a document's start (the BOS token, where the tokenizer adds one)
-    prompt: Union[str, list[str], TokenIds, list[TokenIds], None] = None
+    # required, as the spec has it; null: its default, a document's start (the BOS token, where the tokenizer adds one)
+    prompt: Union[str, list[str], TokenIds, list[TokenIds], None]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt (with echo), generate nothing
     logprobs: int | None = Field(default=None, ge=0, le=5)  # legacy: how many alternatives
     echo: bool = False
