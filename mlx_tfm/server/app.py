@@ -50,7 +50,7 @@ def load_serving(settings: ServerSettings) -> Serving:
     world = current()  # the ranks a split model is shared with (cli/sharding_flags.py joins them)
     model, tokenizer = load(settings.model, adapter_path=settings.adapter_path, shard=splitter(settings.split, world))
     if model.args.kind == "encoder":  # embeddings and rerank (server/embeddings.py), no engine
-        return encoder_serving(model, tokenizer, model_id_of(settings.model))
+        return encoder_serving(model, tokenizer, model_id_of(settings.model), settings.model)
     if model.args.kind == "encoder-decoder":
         raise ValueError(f"an encoder-decoder model ({model.args.model_type}): the server serves decoders and "
                          "encoders; use mlx-tfm generate")

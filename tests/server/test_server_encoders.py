@@ -126,3 +126,11 @@ def test_a_decoders_server_refuses_the_encoder_endpoints(stories_hf):
         assert client.post("/v1/rerank", json={"query": "q", "documents": ["d"]}).status_code == 400
     finally:
         client.__exit__(None, None, None)
+
+
+def test_an_encoder_may_be_named_by_its_model_argument(encoders):
+    """The server was started with the folder's path; a request may name the model so."""
+    root, _, clients = encoders
+    body = {"input": TEXTS[0], "model": str(root / "st"), "encoding_format": "float"}
+    assert clients["st"].post("/v1/embeddings", json=body).status_code == 200
+    assert clients["st"].post("/v1/embeddings", json={**body, "model": str(root / "ce")}).status_code == 404
