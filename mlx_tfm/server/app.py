@@ -15,14 +15,16 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .anthropic_api import ANTHROPIC_ROUTES
 from .completions import Serving, chat_completions, completions
 from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
+from .infill import infill
 from .metrics import RequestCounter, prometheus_text
 from .ollama_api import OLLAMA_ROUTES
 from .settings import ServerSettings
@@ -45,11 +47,12 @@ def load_serving(settings: ServerSettings) -> Serving:
     from ..loading import load
     from . import responses
     from .constrained import grammar_tokenizer
+    from .scoring import PromptScorer
 
     world = current()  # the ranks a split model is shared with (cli/sharding_flags.py joins them)
     model, tokenizer = load(settings.model, adapter_path=settings.adapter_path, shard=splitter(settings.split, world))
     if model.args.kind == "encoder":  # embeddings and rerank (server/embeddings.py), no engine
-        return encoder_serving(model, tokenizer, model_id_of(settings.model))
+        return encoder_serving(model, tokenizer, model_id_of(settings.model), settings.model)
     if model.args.kind == "encoder-decoder":
         raise ValueError(f"an encoder-decoder model ({model.args.model_type}): the server serves decoders and "
                          "encoders; use mlx-tfm generate")
@@ -63,6 +66,7 @@ def load_serving(settings: ServerSettings) -> Serving:
         model_type=model.args.model_type,
         context=None if rotating else model.args.max_position_embeddings, settings=settings,
         grammar_tokenizer=grammar_tokenizer(tokenizer), texts=responses.TokenTexts(tokenizer.token_bytes(), tokenizer.decode),
+        scorer=PromptScorer(model) if world.size == 1 else None,  # a split model's pass needs every rank
     )
 
 
@@ -132,6 +136,10 @@ def json_error(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+# nginx's "client closed request": what /metrics counts for a client that left (never a 500)
+CLIENT_LEFT = 499
+
+
 def endpoint(handler):
     """A Starlette endpoint from ``handler(http, context)``. Every failure of the handler
     becomes an OpenAI error body: APIError as it says, any other exception a 500 with one
@@ -143,6 +151,9 @@ def endpoint(handler):
             return await handler(http, http.app.state.context)
         except APIError as e:
             return json_error(e)
+        except ClientDisconnect:  # it left while sending its body: nobody to answer, nothing failed
+            log.info("%s %s: the client left before its body was sent", http.method, http.url.path)
+            return Response(status_code=CLIENT_LEFT)
         except Exception:
             log.exception("%s %s failed", http.method, http.url.path)
             return json_error(internal_error())
@@ -177,6 +188,11 @@ async def complete(http: HTTPRequest, context: AppContext):
     return await completions(decoder_only(context.state.ready_serving()), http, body)
 
 
+async def fill_in(http: HTTPRequest, context: AppContext):
+    body = await read_body(http, context.settings.max_body_bytes)
+    return await infill(decoder_only(context.state.ready_serving()), http, body)
+
+
 async def embed(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
     return await embeddings(context.state.ready_serving(), http, body)
@@ -193,7 +209,7 @@ async def list_models(http: HTTPRequest, context: AppContext):
 
 async def get_model(http: HTTPRequest, context: AppContext):
     name = http.path_params["model"]
-    if name != context.state.model_id:
+    if name not in (context.state.model_id, context.settings.model):  # the id, or --model as given
         raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     return JSONResponse(context.model_card())
 
@@ -216,6 +232,7 @@ API_PREFIXES = ("/v1", "")
 ROUTES = (
     ("/chat/completions", "POST", chat, API_PREFIXES),
     ("/completions", "POST", complete, API_PREFIXES),
+    ("/infill", "POST", fill_in, ("",)),  # llama-server's fill-in-the-middle (server/infill.py)
     ("/embeddings", "POST", embed, API_PREFIXES),
     ("/rerank", "POST", rank, API_PREFIXES),
     ("/models", "GET", list_models, API_PREFIXES),

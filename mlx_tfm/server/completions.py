@@ -39,7 +39,8 @@ from .protocol import (
     SamplingFields,
     parse_body,
 )
-from .settings import ServerSettings
+from .fim import fim_prompt
+from .settings import MAX_ROWS, ServerSettings
 from .tool_formats import ToolFormat, markers_of, tool_format_named, tool_format_of
 
 log = logging.getLogger("mlx_tfm.server")
@@ -57,11 +58,13 @@ class Serving:
     settings: ServerSettings
     grammar_tokenizer: object  # llguidance's view of the tokenizer (None: no per-token bytes)
     texts: objects.TokenTexts
+    scorer: Callable | None = None  # (ids, top) -> TokenScores (scoring.py); None: prompts cannot be scored
     stopping: threading.Event = field(default_factory=threading.Event)  # set at Ctrl-C / SIGTERM
     model_type: str = ""  # the architecture (Ollama's /api/show and /api/tags name it)
 
     def check_model(self, name: str | None) -> None:
-        if name and name != self.model_id:
+        """A request may name the model by its id or by the --model argument as given."""
+        if name and name not in (self.model_id, self.settings.model):
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
@@ -310,10 +313,17 @@ async def answer_deltas(serving: Serving, generation: Generation,
 
 
 class TextChoice:
-    def __init__(self, echo: str, logprobs: bool):
+    """The text of one row so far (the echoed prompt first), its logprobs (the echoed
+    prompt's first, when scored), and how it finished. ``score_only``: ``max_tokens: 0``,
+    finished before it starts; ``prompt_tokens`` then counts its prompt in the usage."""
+
+    def __init__(self, echo: str, logprobs: objects.LegacyLogprobs | None, score_only: bool = False,
+                 prompt_tokens: int = 0):
         self.text = echo
-        self.logprobs = objects.LegacyLogprobs() if logprobs else None
-        self.finish_reason: str | None = None
+        self.logprobs = logprobs
+        self.echo_logprobs = copy_logprobs(logprobs) if logprobs is not None else None  # for the stream's first chunk
+        self.finish_reason: str | None = "length" if score_only else None
+        self.prompt_tokens = prompt_tokens if score_only else 0
 
     def add(self, serving: Serving, event) -> objects.LegacyLogprobs | None:
         """Add the event's text; return its logprobs (for a stream chunk)."""
@@ -340,24 +350,66 @@ def prepare_completion(serving: Serving, body: bytes) -> tuple[CompletionRequest
     """The request and its engine rows: ``n`` per prompt, in order (choice index = row)."""
     request = parse_body(body, CompletionRequest)
     serving.check_model(request.model)
-    prompts = request.prompts()
+    prompts = completion_prompts(serving, request)
+    if len(prompts) * request.n > MAX_ROWS:
+        raise invalid("n", f"n x prompts is {len(prompts) * request.n} choices; a request may ask for at most {MAX_ROWS}")
+    score_only = request.max_tokens == 0  # the prompt scored (with echo), nothing generated
     rows, choices = [], []
-    for p, prompt in enumerate(prompts):
-        ids = text_prompt(serving.tokenizer, prompt)
+    for p, (prompt, ids) in enumerate(prompts):
         check_prompt(ids, serving.vocab_size, serving.context, "prompt" if len(prompts) == 1 else f"prompt.{p}")
         echo = (prompt if isinstance(prompt, str) else serving.tokenizer.decode(prompt)) if request.echo else ""
+        wanted = request.logprobs is not None
+        echoed = echo_logprobs(serving, ids, echo, request.logprobs) if request.echo and wanted else None
         for i in range(request.n):
-            rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
-                                sampling=sampling_of(request, serving.settings, serving.vocab_size, i),
-                                stop_strings=request.stop_strings, logprobs=request.logprobs is not None,
-                                top_logprobs=request.logprobs or 0))
-            choices.append(TextChoice(echo, request.logprobs is not None))
+            logprobs = (copy_logprobs(echoed) if echoed else objects.LegacyLogprobs()) if wanted else None
+            choices.append(TextChoice(echo, logprobs, score_only, len(ids)))
+            if not score_only:
+                rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
+                                    sampling=sampling_of(request, serving.settings, serving.vocab_size, i),
+                                    stop_strings=request.stop_strings, logprobs=request.logprobs is not None,
+                                    top_logprobs=request.logprobs or 0))
     return request, rows, choices
+
+
+def completion_prompts(serving: Serving, request: CompletionRequest) -> list[tuple[str | list[int], list[int]]]:
+    """Each prompt and its ids; with ``suffix``, the prompt and the suffix laid out in the
+    model's fill-in-the-middle format (server/fim.py)."""
+    if request.suffix is None:
+        return [(prompt, text_prompt(serving.tokenizer, prompt)) for prompt in request.prompts()]
+    prompts = []
+    for p, prompt in enumerate(request.prompts()):
+        if not isinstance(prompt, str):
+            raise invalid("prompt", "suffix needs the prompt as text (the prefix to fill in after)")
+        prompts.append((prompt, fim_prompt(serving.tokenizer, prompt, request.suffix)))
+    return prompts
+
+
+def echo_logprobs(serving: Serving, ids: list[int], echo: str, top: int) -> objects.LegacyLogprobs:
+    """The echoed prompt's logprobs, with ``top`` alternatives. Each token's offset is
+    where it starts in the echoed text: the length of the text decoded so far."""
+    if serving.scorer is None:
+        raise invalid("echo", "this server cannot score prompts (a model split over ranks): echo with logprobs "
+                      "is not available")
+    scores = serving.scorer(ids, top)
+    logprobs = objects.LegacyLogprobs()
+    for i, score in enumerate(scores):
+        offset = min(len(serving.tokenizer.decode(ids[:i])), len(echo))
+        if score.logprob is None:
+            logprobs.add_unpredicted(serving.texts, score.token, offset)
+        else:
+            logprobs.add(serving.texts, score.token, score.logprob, score.top, offset)
+    return logprobs
+
+
+def copy_logprobs(logprobs: objects.LegacyLogprobs) -> objects.LegacyLogprobs:
+    """A choice's own copy (each of ``n`` choices appends its own tokens)."""
+    return objects.LegacyLogprobs(list(logprobs.tokens), list(logprobs.token_logprobs), list(logprobs.top_logprobs),
+                                  list(logprobs.text_offset))
 
 
 async def text_events(serving: Serving, request: CompletionRequest, generation: Generation,
                       choices: list[TextChoice]) -> dict:
-    usage = UsageCounter(rows_per_prompt=request.n)
+    usage = score_only_usage(request, choices)
     async for row, event in generation.events():
         error = failed(serving, event)
         if error is not None:
@@ -375,16 +427,16 @@ async def text_events(serving: Serving, request: CompletionRequest, generation: 
 async def text_stream(serving: Serving, request: CompletionRequest, generation: Generation,
                       choices: list[TextChoice]) -> AsyncIterator[dict]:
     response_id, created = objects.completion_id("cmpl"), objects.now()
-    usage = UsageCounter(rows_per_prompt=request.n)
+    usage = score_only_usage(request, choices)
 
     def chunk(index: int, text: str, finish_reason: str | None, logprobs) -> dict:
-        body = objects.text_completion(response_id, serving.model_id, created,
+        # No "usage": null before the last chunk (the chat chunks' way): here the spec's usage is not nullable.
+        return objects.text_completion(response_id, serving.model_id, created,
                                        [objects.text_choice(index, text, finish_reason, logprobs)], None)
-        return {**body, "usage": None} if request.include_usage else body
 
     for index, choice in enumerate(choices):
-        if choice.text:  # the echoed prompt
-            yield chunk(index, choice.text, None, None)
+        if choice.text or choice.finish_reason:  # the echoed prompt (and its logprobs); a score-only choice
+            yield chunk(index, choice.text, choice.finish_reason, choice.echo_logprobs)
     async for row, event in generation.events():
         error = failed(serving, event)
         if error is not None:
@@ -397,6 +449,14 @@ async def text_stream(serving: Serving, request: CompletionRequest, generation: 
             usage.add_final(row, event)
     if request.include_usage:
         yield objects.usage_chunk(response_id, serving.model_id, created, "text_completion", usage.usage)
+
+
+def score_only_usage(request: CompletionRequest, choices: list[TextChoice]) -> UsageCounter:
+    """The usage counter, holding already the prompts of score-only choices (no engine
+    event will report them)."""
+    usage = UsageCounter(rows_per_prompt=request.n)
+    usage.usage.prompt_tokens = sum(choice.prompt_tokens for choice in choices[::request.n])
+    return usage
 
 
 # -- delivery ---------------------------------------------------------------------------------------------

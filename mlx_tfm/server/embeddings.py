@@ -78,17 +78,18 @@ class EncoderServing:
     model: object
     tokenizer: object
     model_id: str
+    model_argument: str | None = None  # --model as given (a path or repo id): a request may name it too
     engine: EncoderEngine = field(default_factory=EncoderEngine)
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def check_model(self, name: str | None) -> None:
-        if name and name != self.model_id:
+        if name and name not in (self.model_id, self.model_argument):
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
 
-def encoder_serving(model, tokenizer, model_id: str) -> EncoderServing:
-    return EncoderServing(model, tokenizer, model_id)
+def encoder_serving(model, tokenizer, model_id: str, model_argument: str | None = None) -> EncoderServing:
+    return EncoderServing(model, tokenizer, model_id, model_argument)
 
 
 def decoder_only(serving):

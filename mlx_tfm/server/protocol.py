@@ -27,6 +27,20 @@ from .settings import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's spec marks most request fields nullable: ``null`` means the field's
+        default (``n: null`` is one choice, ``stream: null`` no stream)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+
+        def has_other_default(key: str) -> bool:  # a required field's null stays, for the field to judge
+            return key in fields and not fields[key].is_required() and fields[key].default is not None
+
+        return {key: value for key, value in data.items() if value is not None or not has_other_default(key)}
+
 
 # -- chat messages ------------------------------------------------------------------------
 
@@ -130,7 +144,7 @@ class SamplingFields(Lenient):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     repetition_context_size: int = Field(default=20, ge=1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # the spec's bound; the engine queues rows past its batch
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -197,10 +211,12 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    # required, as the spec has it; null: its default, a document's start (the BOS token, where the tokenizer adds one)
+    prompt: Union[str, list[str], TokenIds, list[TokenIds], None]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt (with echo), generate nothing
     logprobs: int | None = Field(default=None, ge=0, le=5)  # legacy: how many alternatives
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the insertion (server/fim.py)
 
     @field_validator("prompt")
     @classmethod
@@ -211,19 +227,14 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
         return value
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix (insertion) is not supported")
-        return value
-
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts this request holds: texts or token id lists."""
+        if self.prompt is None:
+            return [""]
         if isinstance(self.prompt, str):
             return [self.prompt]
         if all(isinstance(p, int) for p in self.prompt):
@@ -242,12 +253,44 @@ def parse_body(raw: bytes, model_type: type[BaseModel]):
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     except UserError as e:
         raise APIError(400, str(e), code="invalid_json") from None
+    where = lone_surrogate_at(data)
+    if where is not None:  # JSON allows "\ud800"; no tokenizer can encode it
+        raise invalid(where or "body", f"{where or 'the body'}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text",
+                      code="invalid_text")
     try:
         request = model_type.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
     request.check_fields()
     return request
+
+
+def lone_surrogate_at(value, path: str = "") -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, or None.
+    Walks with a stack: the body may be nested as deep as the JSON reader allows."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _is_utf8(item):
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                child_path = f"{where}.{key}" if where else str(key)
+                if not _is_utf8(key):
+                    return where
+                stack.append((child, child_path))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}.{i}" if where else str(i)) for i, child in enumerate(item))
+    return None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validation_error(error: ValidationError) -> APIError:

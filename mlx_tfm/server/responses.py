@@ -1,6 +1,8 @@
 """OpenAI's response objects, built from what the engine reported: chat completions and
 their stream chunks, legacy text completions and theirs, usage, and logprobs in both
-shapes. Plain dicts, so they serialize as OpenAI's do (``null`` where OpenAI has it)."""
+shapes. Plain dicts, so they serialize as OpenAI's do (``null`` where OpenAI has it). No
+``system_fingerprint``: the spec has it optional and a string, and there is no backend
+configuration worth naming beyond the model."""
 
 from __future__ import annotations
 
@@ -74,6 +76,14 @@ class LegacyLogprobs:
         self.top_logprobs.append({texts.text_of(t): v for t, v in (top or [])})
         self.text_offset.append(offset)
 
+    def add_unpredicted(self, texts: TokenTexts, token: int, offset: int) -> None:
+        """A prompt's first token: nothing predicts it, so its logprob and alternatives are
+        null (as OpenAI's API answers, though its spec types the lists' items as numbers)."""
+        self.tokens.append(texts.text_of(token))
+        self.token_logprobs.append(None)
+        self.top_logprobs.append(None)
+        self.text_offset.append(offset)
+
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}
@@ -88,7 +98,9 @@ def tool_call_dict(call: ParsedToolCall, index: int | None = None) -> dict:
 
 
 def chat_message(answer: Delta) -> dict:
-    message = {"role": "assistant", "content": answer.content if answer.content or not answer.tool_calls else None}
+    # refusal: the spec requires the field; a local model never refuses through it.
+    message = {"role": "assistant", "content": answer.content if answer.content or not answer.tool_calls else None,
+               "refusal": None}
     if answer.reasoning:
         message["reasoning_content"] = answer.reasoning
     if answer.tool_calls:
@@ -98,7 +110,7 @@ def chat_message(answer: Delta) -> dict:
 
 def chat_completion(response_id: str, model: str, created: int, choices: list[dict], usage: Usage) -> dict:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage.as_dict(), "system_fingerprint": None}
+            "choices": choices, "usage": usage.as_dict()}
 
 
 def chat_choice(index: int, answer: Delta, finish_reason: str, logprobs: list[dict] | None) -> dict:
@@ -121,8 +133,7 @@ def chat_delta(delta: Delta, first_tool_index: int) -> dict:
 
 
 def chat_chunk(response_id: str, model: str, created: int, choices: list[dict], with_usage: bool) -> dict:
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": None, "choices": choices}
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if with_usage:
         chunk["usage"] = None  # every chunk but the last, when stream_options.include_usage
     return chunk
@@ -135,8 +146,8 @@ def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
 
 
 def usage_chunk(response_id: str, model: str, created: int, object_name: str, usage: Usage) -> dict:
-    return {"id": response_id, "object": object_name, "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": usage.as_dict()}
+    return {"id": response_id, "object": object_name, "created": created, "model": model, "choices": [],
+            "usage": usage.as_dict()}
 
 
 # -- legacy completions ----------------------------------------------------------------------
@@ -144,7 +155,7 @@ def usage_chunk(response_id: str, model: str, created: int, object_name: str, us
 
 def text_completion(response_id: str, model: str, created: int, choices: list[dict], usage: Usage | None) -> dict:
     body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "system_fingerprint": None}
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage.as_dict()
     return body

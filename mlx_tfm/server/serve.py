@@ -9,10 +9,14 @@ import logging
 import sys
 import threading
 
+import json
+
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from ..errors import UserError
 from .app import ServerState, build_app
+from .errors import error_body
 from .settings import ServerSettings
 
 READY_LINE = "mlx-tfm server: ready at {url} (model {model})"  # scripts wait for "ready at"
@@ -40,10 +44,26 @@ class StoppingServer(uvicorn.Server):
         return f"http://{host}:{port}"
 
 
+class OpenAIErrorProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol (h11 or httptools, as uvicorn picks), except that a request
+    it cannot parse (a garbage request line, broken headers) is answered with an OpenAI
+    error body rather than plain text: such a request never reaches the app, so this is
+    the one place that can shape its answer."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(f"not an HTTP request: {msg}", "invalid_request_error",
+                                     code="invalid_http_request")).encode("utf-8")
+        head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\nconnection: close\r\n\r\n")
+        self.transport.write(head + body)
+        self.transport.close()
+
+
 def serve(settings: ServerSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(settings)
     config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level=settings.log_level,
+                            http=OpenAIErrorProtocol,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, access_log=settings.log_level == "debug")
     server = StoppingServer(config, state)
     asyncio.run(run_until_stopped(server, state))

@@ -8,7 +8,8 @@ from ..errors import UserError
 from .output import reasoning_format_named
 from .tool_formats import tool_format_named
 
-MAX_N = 8  # choices per request (`n`): each is a row of the batch
+MAX_N = 128  # choices per request (`n`, the spec's bound): each is a row; rows past --max-batch wait
+MAX_ROWS = 256  # choices of a legacy request, over all its prompts (n x prompts)
 MAX_PROMPTS = 32  # prompts per legacy completion request (each times `n` rows)
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

@@ -74,6 +74,10 @@ class Tokenizer:
         text = self.special_tokens.get(name)
         return None if text is None else self._backend.token_to_id(text)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled ``token`` (as the vocabulary writes it), or None."""
+        return self._backend.token_to_id(token)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens (BOS, EOS...) are skipped."""
         return self._backend.decode([int(i) for i in ids])

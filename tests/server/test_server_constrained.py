@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from fixtures.server_models import tool_model_folder
+from fixtures.openai_spec import spec_checking_http_client
 from fixtures.server_process import served
 
 ASK = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
@@ -41,7 +42,7 @@ def server(padded_folder):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, http_client=spec_checking_http_client())
 
 
 def test_json_schema_holds_on_a_vocabulary_larger_than_the_tokenizers(client):

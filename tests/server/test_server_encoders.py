@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fixtures.encoder_models import bert_with_tokenizer, sentence_transformer_folder
+from fixtures.openai_spec import check_response
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "the sea is blue"]
 
@@ -22,6 +23,7 @@ def client_for(folder):
 
     state = ServerState(ServerSettings(model=str(folder)))
     client = TestClient(build_app(state))
+    client.event_hooks["response"].append(check_response)  # every JSON answer against OpenAI's spec
     client.__enter__()
     state.loaded.wait(60)
     assert state.load_error is None, state.load_error
@@ -124,3 +126,11 @@ def test_a_decoders_server_refuses_the_encoder_endpoints(stories_hf):
         assert client.post("/v1/rerank", json={"query": "q", "documents": ["d"]}).status_code == 400
     finally:
         client.__exit__(None, None, None)
+
+
+def test_an_encoder_may_be_named_by_its_model_argument(encoders):
+    """The server was started with the folder's path; a request may name the model so."""
+    root, _, clients = encoders
+    body = {"input": TEXTS[0], "model": str(root / "st"), "encoding_format": "float"}
+    assert clients["st"].post("/v1/embeddings", json=body).status_code == 200
+    assert clients["st"].post("/v1/embeddings", json={**body, "model": str(root / "ce")}).status_code == 404

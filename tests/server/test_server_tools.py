@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from fixtures.scripted_server import FAMILY_SPECIAL_MARKERS, ScriptedServer, scripted_tokenizer_folder
 from fixtures.server_models import TOOL_CHAT_TEMPLATE, tool_model_folder
+from fixtures.openai_spec import spec_checking_http_client
 from fixtures.server_process import served
 
 WEATHER = {"type": "function", "function": {
@@ -51,7 +52,8 @@ def server(model_folder):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    # every JSON answer is checked against OpenAI's spec on the way (fixtures/openai_spec.py)
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, http_client=spec_checking_http_client())
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +294,8 @@ def scripted(scripted_folder):
 
 @pytest.fixture(scope="module")
 def scripted_client(scripted):
-    return openai.OpenAI(base_url=scripted.url, api_key="unused", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=scripted.url, api_key="unused", max_retries=0,
+                         http_client=spec_checking_http_client(timeout=30))
 
 
 def script_of(answer: str, tokenizer, rng: random.Random) -> list[str | int]:
