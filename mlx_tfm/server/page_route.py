@@ -71,4 +71,4 @@ PAGE_ROUTES = (
     ("/props", "GET", props, ("/v1", "")),
 )
 
-__all__ = ["PAGE_ROUTES", "OPEN_PAGE_PATHS", "asks_for_html"]
+__all__ = ["OPEN_PAGE_PATHS", "PAGE_ROUTES", "asks_for_html"]

@@ -129,7 +129,8 @@ MARKDOWN_CASES = [
     ("- one\n- two\n\n1. first\n2. second",
      "<ul><li>one</li><li>two</li></ul>\n<ol><li>first</li><li>second</li></ol>"),
     ("```python\nif a < b and c > d:\n    print(\"**no emphasis**\")\n```",
-     '<pre data-language="python"><code>if a &lt; b and c &gt; d:\n    print(&quot;**no emphasis**&quot;)</code></pre>'),
+     ('<pre data-language="python"><code>if a &lt; b and c &gt; d:\n'
+      '    print(&quot;**no emphasis**&quot;)</code></pre>')),
     ("see [the docs](https://example.org/a?b=1&c=2)",
      '<p>see <a href="https://example.org/a?b=1&amp;c=2" target="_blank" rel="noopener noreferrer">the docs</a></p>'),
     ("```\nstill streaming", "<pre><code>still streaming</code></pre>"),  # an unclosed fence runs to the end
@@ -196,7 +197,8 @@ def send_message(driver, text: str) -> None:
 
 def bubble_states(driver) -> list[str]:
     """Each bubble's state, read at once (the page redraws its bubbles when an answer ends)."""
-    return driver.execute_script("return [...document.querySelectorAll('#messages .message')].map((b) => b.dataset.state)")
+    script = "return [...document.querySelectorAll('#messages .message')].map((bubble) => bubble.dataset.state)"
+    return driver.execute_script(script)
 
 
 def wait_for_answer(driver, count: int) -> str:
@@ -222,7 +224,8 @@ def test_the_page_streams_answers_and_keeps_conversations(server, page, stories_
 
     send_message(page, second)  # the second turn sends the whole conversation
     wait_for_answer(page, 4)
-    history = [{"role": "user", "content": first}, reference["choices"][0]["message"], {"role": "user", "content": second}]
+    history = [{"role": "user", "content": first}, reference["choices"][0]["message"],
+               {"role": "user", "content": second}]
     reference = api_answer(server, [{key: m[key] for key in ("role", "content")} for m in history])
     (conversation,) = stored_conversations(page)
     assert conversation["messages"][3]["content"] == reference["choices"][0]["message"]["content"]
@@ -253,7 +256,7 @@ def save_screenshot(driver, tmp_path: Path) -> None:
 
 def cancelled_requests(server) -> float:
     metrics = httpx.get(f"{server.root}/metrics").text
-    found = re.search(r'^mlx_tfm_engine_requests_total\{finish_reason="cancelled"\} (\S+)$', metrics, re.M)
+    found = re.search(r'^mlx_tfm_engine_requests_total\{finish_reason="cancelled"\} (\S+)$', metrics, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
 
