@@ -148,9 +148,20 @@ INJECTIONS = [
 
 @pytest.fixture(scope="module")
 def page(server, browser):
-    browser.get(f"{server.root}/")
-    wait_for(browser, lambda d: d.find_element(By.ID, "model-name").text == server_model(server), "the model's name")
-    return browser
+    return open_page(browser, server)
+
+
+def open_page(driver, server):
+    """The page, loaded once its model's name shows."""
+    driver.get(f"{server.root}/")
+    wait_for(driver, lambda d: d.find_element(By.ID, "model-name").text == server_model(server), "the model's name")
+    return driver
+
+
+def fresh_page(driver, server):
+    """The page with nothing kept from an earlier test (no conversations, the server's defaults)."""
+    open_page(driver, server).execute_script("localStorage.clear()")
+    return open_page(driver, server)
 
 
 def server_model(server) -> str:
@@ -214,7 +225,8 @@ def api_answer(server, messages: list) -> dict:
     return httpx.post(f"{server.url}/chat/completions", json=body, timeout=60).json()
 
 
-def test_the_page_streams_answers_and_keeps_conversations(server, page, stories_hf, tmp_path):
+def test_the_page_streams_answers_and_keeps_conversations(server, browser, stories_hf, tmp_path):
+    page = fresh_page(browser, server)
     first, second = "Tell me a story about a cat.", "And then what did the dog do?"
     send_message(page, first)
     state = wait_for_answer(page, 2)
@@ -233,7 +245,7 @@ def test_the_page_streams_answers_and_keeps_conversations(server, page, stories_
     assert page.find_element(By.ID, "context-use").text == f"{reference['usage']['total_tokens']} / {context} tokens"
 
     page.refresh()
-    wait_for(page, lambda d: d.find_element(By.ID, "model-name").text == server_model(server), "the model's name")
+    open_page(page, server)
     listed = page.find_elements(By.CSS_SELECTOR, "#conversations li button.open")
     assert [item.text for item in listed] == [first]
     assert bubbles(page) == []  # a reload opens a new chat; the old one is in the list
@@ -243,6 +255,19 @@ def test_the_page_streams_answers_and_keeps_conversations(server, page, stories_
 
     page.find_element(By.ID, "new-chat").click()
     assert bubbles(page) == [] and len(page.find_elements(By.CSS_SELECTOR, "#conversations li")) == 1
+
+
+def test_a_refused_request_shows_the_servers_message(server, browser):
+    page = fresh_page(browser, server)
+    page.find_element(By.ID, "settings").click()
+    temperature = page.find_element(By.ID, "temperature")
+    temperature.clear()
+    temperature.send_keys("-1")
+    send_message(page, "Hello?")
+    assert wait_for_answer(page, 2) == "error"
+    body = {"messages": [{"role": "user", "content": "Hello?"}], "temperature": -1}
+    refused = httpx.post(f"{server.url}/chat/completions", json=body).json()["error"]["message"]
+    assert bubbles(page)[-1].text == f"the server answered: {refused}"
 
 
 def save_screenshot(driver, tmp_path: Path) -> None:
@@ -261,8 +286,7 @@ def cancelled_requests(server) -> float:
 
 
 def test_stop_ends_the_answer_and_the_server_cancels_it(rotating_server, browser):
-    browser.get(f"{rotating_server.root}/")
-    wait_for(browser, lambda d: d.find_element(By.ID, "model-name").text == server_model(rotating_server), "the model")
+    fresh_page(browser, rotating_server)
     browser.find_element(By.ID, "settings").click()
     max_tokens = browser.find_element(By.ID, "max-tokens")
     max_tokens.clear()
