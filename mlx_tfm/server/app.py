@@ -27,6 +27,7 @@ from .errors import APIError, internal_error
 from .infill import infill
 from .metrics import RequestCounter, prometheus_text
 from .ollama_api import OLLAMA_ROUTES
+from .page_route import OPEN_PAGE_PATHS, PAGE_ROUTES
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_tfm.server")
@@ -240,6 +241,9 @@ ROUTES = (
     ("/health", "GET", health, ("",)),
     ("/metrics", "GET", metrics, ("",)),
 ) + OLLAMA_ROUTES + ANTHROPIC_ROUTES  # Ollama's /api/... and Anthropic's /v1/messages beside OpenAI's
+# The chat page's GET / answers browsers with the page and other clients with Ollama's banner, so it takes
+# the place of Ollama's own GET /.
+ROUTES = PAGE_ROUTES + tuple(route for route in ROUTES if route[0] != "/")
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -296,10 +300,13 @@ class ModelLifespan:
         await asyncio.to_thread(self.state.stop)
 
 
+OPEN_PATHS = ("/health",) + OPEN_PAGE_PATHS  # answered without the API key
+
+
 class Guard:
     """Pure ASGI middleware: counts every answer by path and status, and asks for the API
     key (``Authorization: Bearer KEY``, compared in constant time) on everything but
-    ``/health`` and CORS preflights."""
+    ``/health``, the chat page's files and CORS preflights."""
 
     def __init__(self, app, api_key: str | None, counter: RequestCounter):
         self.app = app
@@ -316,7 +323,7 @@ class Guard:
                 self.counter.add(path, message["status"])
             await send(message)
 
-        if self.api_key is not None and path != "/health" and scope["method"] != "OPTIONS" and not self._authorized(scope):
+        if self.api_key is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS" and not self._authorized(scope):
             error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
                              code="invalid_api_key")
             return await json_error(error)(scope, receive, counting_send)
