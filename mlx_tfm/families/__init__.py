@@ -24,9 +24,11 @@ from .common import Architecture
 from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
+from .more_decoders import MORE_DECODERS
+from .more_mixtures import MORE_MIXTURES
 
 # The table: every model_type we build, each family kind in its own file.
-ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS}
+ARCHITECTURES: dict[str, Architecture] = {**DECODERS, **MIXTURES, **ENCODERS, **MORE_DECODERS, **MORE_MIXTURES}
 
 
 def architecture_for(config: dict) -> Architecture:

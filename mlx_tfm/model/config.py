@@ -26,7 +26,7 @@ class ModelArgs:
     norm_type: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
-    norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
+    norm_weight_offset: float = 0.0  # Gemma (RMSNorm), Nemotron (LayerNorm) scale by (1 + weight)
     # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
     # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
     # Cohere: attention and MLP both read one norm of x and both add to x)
@@ -110,6 +110,10 @@ class ModelArgs:
     classifier_pooling: str = "cls"  # "cls" | "mean"
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
+    # -- more families (mlx_tfm/families/more_*.py) --
+    # ERNIE 4.5 MoE: a softmax router whose choice (not its weights) adds the learned
+    # per-expert e_score_correction_bias, as sigmoid routers always do
+    router_choice_bias: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

@@ -17,7 +17,8 @@ Routers (``ModelArgs.router_scoring``):
 - ``sigmoid``: sigmoid scores; the choice adds a learned per-expert bias
   (``e_score_correction_bias``) and may first keep the best ``topk_group`` of ``n_group``
   expert groups; the weights are the unbiased scores, optionally renormalised, times
-  ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5).
+  ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5). ``router_choice_bias`` adds the same
+  bias to a softmax router's choice (ERNIE 4.5 MoE).
 Experts whose scores tie are taken in index order (lower index first).
 
 This file holds only math, like ``model.py``, which builds these blocks (and passes in the
@@ -78,7 +79,7 @@ def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = Non
         return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
     if args.router_scoring == "softmax":
         scores = mx.softmax(logits, axis=-1, precise=True)
-        choice = scores
+        choice = scores if score_bias is None else scores + score_bias.astype(mx.float32)
     else:  # sigmoid
         scores = mx.sigmoid(logits)
         choice = scores + score_bias.astype(mx.float32)
@@ -240,7 +241,7 @@ class SparseMoeBlock(nn.Module):
         self.args = args
         D, E = args.hidden_size, args.num_experts
         self.gate = nn.Linear(D, E, bias=args.router_bias)
-        if args.router_scoring == "sigmoid":
+        if args.router_scoring == "sigmoid" or args.router_choice_bias:
             self.e_score_correction_bias = mx.zeros((E,))
         self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, E, activation, bias=args.expert_bias)
         if shared_expert is not None:

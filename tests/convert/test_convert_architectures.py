@@ -55,6 +55,9 @@ MLX_LM_DIFFERS = {
     "gemma3_text": (1e-2, "embedding scale sqrt(hidden_size) rounded to bfloat16"),
     "gemma3": (1e-2, "embedding scale sqrt(hidden_size) rounded to bfloat16"),
     "gpt_oss": (5e-3, "YaRN with truncate false rounded as if true (test_moe.py shows it is only that)"),
+    # -- more families --
+    "gpt_bigcode": (2e-3, "exact GELU where transformers uses the tanh form"),
+    "ernie4_5_moe": (0.3, "mlx-lm drops the router's e_score_correction_bias, so some positions choose other experts"),
 }
 MLX_LM_LACKS = ("arcee", "ministral")  # model_types mlx-lm 0.32 has no model file for
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS if TINY_CONFIGS[name].get("model_type", name) not in MLX_LM_LACKS)

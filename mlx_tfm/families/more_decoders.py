@@ -1,0 +1,106 @@
+"""More decoder-only families with dense feed-forwards (ERNIE 4.5, InternLM 3, Nemotron-4,
+StarCoder 1, Ministral 3 / Mistral 3's text tower): each family's config -> ``ModelArgs``
+fields, and its renames. Most are a mapping onto mechanisms the model already has."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .common import COMMON_DROPS, Architecture, activation, rope_settings
+from .decoders import llama_args, split_qkv
+
+
+def ernie4_5_args(config: dict) -> dict:
+    """ERNIE 4.5: Llama with RoPE over adjacent pairs and one ``use_bias`` for every
+    projection; transformers' default head_dim (128) where a config leaves it out."""
+    bias = config.get("use_bias", False)
+    return {
+        **llama_args({**config, "head_dim": config.get("head_dim") or 128}),
+        "rope_traditional": True,
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "mlp_bias": bias,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+def internlm3_args(config: dict) -> dict:
+    """InternLM 3: Llama whose hub configs spell attention_bias ``qkv_bias`` (o_proj too,
+    as transformers maps it) and mlp_bias ``bias``."""
+    bias = config.get("qkv_bias", config.get("attention_bias", False))
+    return {
+        **llama_args({**config, "head_dim": config.get("head_dim") or 128}),
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "mlp_bias": config.get("bias", config.get("mlp_bias", False)),
+    }
+
+
+def nemotron_args(config: dict) -> dict:
+    """Nemotron-4: LayerNorm1P (LayerNorm scaling by weight + 1), an ungated squared-ReLU
+    MLP, RoPE over half of each head unless the config says otherwise."""
+    rope = rope_settings(config)
+    params = config.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in config:
+        rope["partial_rotary_factor"] = 0.5  # transformers' default for Nemotron
+    return {
+        **llama_args(config),
+        **rope,
+        "norm_type": "layernorm",
+        "norm_weight_offset": 1.0,
+        "norm_eps": config.get("norm_eps", 1e-5),
+        "hidden_act": activation(config.get("hidden_act", "relu2")),
+        "ffn_gated": False,
+        "mlp_bias": config.get("mlp_bias", False),
+    }
+
+
+def gpt_bigcode_args(config: dict) -> dict:
+    """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
+    biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
+    D, n_heads = config["n_embd"], config["n_head"]
+    if not config.get("scale_attn_weights", True):
+        raise UserError("gpt_bigcode with scale_attn_weights false is not supported")
+    return {
+        "model_type": "gpt_bigcode",
+        "vocab_size": config["vocab_size"],
+        "hidden_size": D,
+        "num_hidden_layers": config["n_layer"],
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": 1 if config.get("multi_query", True) else n_heads,
+        "intermediate_size": config.get("n_inner") or 4 * D,
+        "norm_type": "layernorm",
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "hidden_act": activation(config.get("activation_function", "gelu_pytorch_tanh")),
+        "ffn_gated": False,
+        "mlp_bias": True,
+        "attention_bias": True,
+        "attention_out_bias": True,
+        "position_embedding": "learned",
+        "max_position_embeddings": config.get("n_positions", 1024),
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
+# StarCoder 1 keeps transformers' names on disk (mlx-lm's gpt_bigcode reads them as they are).
+GPT_BIGCODE_RENAMES = (
+    (r"transformer\.wte\.(.*)", r"model.embed_tokens.\1"),
+    (r"transformer\.wpe\.(.*)", r"model.embed_positions.\1"),
+    (r"transformer\.ln_f\.(.*)", r"model.norm.\1"),
+    (r"transformer\.h\.(\d+)\.ln_1\.(.*)", r"model.layers.\1.input_layernorm.\2"),
+    (r"transformer\.h\.(\d+)\.ln_2\.(.*)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.c_attn\.(.*)", r"model.layers.\1.self_attn.qkv_proj.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.c_proj\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_fc\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+)
+GPT_BIGCODE_DROPS = COMMON_DROPS + (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
+
+
+# More decoder-only families with dense feed-forwards, by model_type.
+MORE_DECODERS: dict[str, Architecture] = {
+    "ernie4_5": Architecture(args=ernie4_5_args),
+    "internlm3": Architecture(args=internlm3_args),
+    "nemotron": Architecture(args=nemotron_args),
+    "gpt_bigcode": Architecture(args=gpt_bigcode_args, renames=GPT_BIGCODE_RENAMES, drops=GPT_BIGCODE_DROPS,
+                                rewrite=split_qkv),
+}

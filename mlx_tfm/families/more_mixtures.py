@@ -1,0 +1,101 @@
+"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE): config -> ``ModelArgs``
+fields, and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
+
+from __future__ import annotations
+
+import re
+
+from ..model.config import ModelArgs
+from .common import Architecture
+from .decoders import granite_args
+from .experts import QWEN_EXPERT_PROJECTIONS, moe_args, stack_experts
+from .more_decoders import ernie4_5_args
+
+
+def ernie4_5_moe_args(config: dict) -> dict:
+    """ERNIE 4.5 MoE: ERNIE 4.5's attention; experts on every ``moe_layer_interval``-th
+    layer from ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last); a softmax
+    router whose choice adds a learned bias, its k weights renormalised; ungated shared
+    experts beside them."""
+    n_layers = config["num_hidden_layers"]
+    end = config.get("moe_layer_end_index", -1)
+    end = n_layers - 1 if end == -1 else end
+    F = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return {
+        **ernie4_5_args(config),
+        **moe_args(
+            {"num_experts": config.get("moe_num_experts", 64), "num_experts_per_tok": config.get("moe_k", 6)},
+            norm_topk_prob=True,
+            router_choice_bias=True,
+            moe_intermediate_size=F,
+            shared_expert_intermediate_size=F * (config.get("moe_num_shared_experts") or 0),
+            decoder_sparse_step=config.get("moe_layer_interval", 1),
+            first_k_dense_replace=config.get("moe_layer_start_index", 1),
+            mlp_only_layers=tuple(range(end + 1, n_layers)),
+        ),
+    }
+
+
+def granitemoe_args(config: dict) -> dict:
+    """Granite MoE: Granite's multipliers, experts chosen by their top-k logits, softmax
+    over those k (no shared expert)."""
+    return {**granite_args(config), **moe_args(config, router_scoring="topk_softmax")}
+
+
+ERNIE_CORRECTION_BIAS = re.compile(r"(.*)\.mlp\.e_score_correction_bias")
+
+
+def ernie4_5_moe_layout(weights: dict, config: dict) -> dict:
+    """Per-expert Hugging Face experts -> stacked (the router's correction bias stays under
+    ``moe_statics``, where mlx-lm's ernie4_5_moe expects and drops it)."""
+    n_experts = config.get("moe_num_experts", 64)
+    return stack_experts(weights, n_experts, QWEN_EXPERT_PROJECTIONS)
+
+
+def ernie4_5_moe_rewrite(weights: dict, args: ModelArgs) -> dict:
+    # moe_statics keeps one bias row per expert group (always one): (1, E) -> (E,)
+    return {name: t.reshape(-1) if ERNIE_CORRECTION_BIAS.fullmatch(name) else t for name, t in weights.items()}
+
+
+GRANITEMOE_FUSED = re.compile(r"(.*)\.block_sparse_moe\.(input_linear|output_linear)\.(weight|scales|biases)")
+
+
+def granitemoe_layout(weights: dict, config: dict) -> dict:
+    """Granite MoE's ``input_linear`` (experts, 2F, D: gate rows, then up) and
+    ``output_linear`` (experts, D, F) -> mlx-lm's ``block_sparse_moe.switch_mlp.*``."""
+    out = {}
+    for name, tensor in weights.items():
+        match = GRANITEMOE_FUSED.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        block, fused, kind = match.groups()
+        if fused == "output_linear":
+            out[f"{block}.block_sparse_moe.switch_mlp.down_proj.{kind}"] = tensor
+            continue
+        F = tensor.shape[1] // 2
+        out[f"{block}.block_sparse_moe.switch_mlp.gate_proj.{kind}"] = tensor[:, :F]
+        out[f"{block}.block_sparse_moe.switch_mlp.up_proj.{kind}"] = tensor[:, F:]
+    return out
+
+
+ERNIE4_5_MOE_RENAMES = (
+    (r"(.*)\.mlp\.moe_statics\.e_score_correction_bias", r"\1.mlp.e_score_correction_bias"),
+    (r"(.*)\.mlp\.shared_experts\.(.*)", r"\1.mlp.shared_expert.\2"),
+)
+GRANITEMOE_RENAMES = (
+    (r"(.*)\.block_sparse_moe\.router\.layer\.(.*)", r"\1.mlp.gate.\2"),
+    (r"(.*)\.block_sparse_moe\.(.*)", r"\1.mlp.\2"),
+)
+# Router layers (on-disk module paths), kept at 8 bits when quantizing, as in experts.py.
+ERNIE_ROUTERS = r"model\.layers\.\d+\.mlp\.gate"
+GRANITEMOE_ROUTERS = r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"
+
+
+# More mixture-of-experts families, by model_type.
+MORE_MIXTURES: dict[str, Architecture] = {
+    "ernie4_5_moe": Architecture(args=ernie4_5_moe_args, renames=ERNIE4_5_MOE_RENAMES, experts=ernie4_5_moe_layout,
+                                 rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
+    "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
+                               routers=GRANITEMOE_ROUTERS),
+}
