@@ -54,6 +54,10 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "olmo3": layer_type_rope_keys,
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
+    "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
+        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],
+    },
 }
 
 

@@ -1,4 +1,4 @@
-"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE): config -> ``ModelArgs``
+"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, dots.llm1, K-EXAONE): config -> ``ModelArgs``
 fields, and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 from ..model.config import ModelArgs
 from .common import Architecture
-from .decoders import granite_args
-from .experts import QWEN_EXPERT_PROJECTIONS, moe_args, stack_experts
+from .decoders import exaone4_args, granite_args, llama_args
+from .experts import GLM4_MOE_RENAMES, QWEN_EXPERT_PROJECTIONS, moe_args, qwen_moe_layout, stack_experts
 from .more_decoders import ernie4_5_args
 
 
@@ -42,6 +42,61 @@ def granitemoe_args(config: dict) -> dict:
     return {**granite_args(config), **moe_args(config, router_scoring="topk_softmax")}
 
 
+def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
+    """DeepSeek-V3's router as dots1 and EXAONE MoE configure it: sigmoid scores, a learned
+    choice bias, the best ``topk_group`` of ``n_group`` groups, weights times
+    ``routed_scaling_factor``; ungated shared experts of ``n_shared`` times the experts' width."""
+    return moe_args(
+        {**config, "num_experts": n_experts},
+        router_scoring="sigmoid",
+        routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+        n_group=config.get("n_group") or 1,
+        topk_group=config.get("topk_group") or 1,
+        shared_expert_intermediate_size=n_shared * config["moe_intermediate_size"],
+    )
+
+
+def dots1_args(config: dict) -> dict:
+    """dots.llm1: Qwen 3's attention (q/k norm per head; sliding layers from
+    ``max_window_layers`` on), DeepSeek-V3's router, the first ``first_k_dense_replace``
+    layers dense."""
+    n_layers, first = config["num_hidden_layers"], config.get("max_window_layers", config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    default = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
+    layer_types = config.get("layer_types") or default
+    return {
+        **llama_args(config),
+        "qk_norm": True,
+        "sliding_window": window if "sliding_attention" in layer_types else None,
+        "layer_types": layer_types,
+        **deepseek_router_args(config, config.get("n_routed_experts") or 0, config.get("n_shared_experts") or 0),
+        "first_k_dense_replace": config.get("first_k_dense_replace", 0),
+    }
+
+
+def exaone_moe_args(config: dict) -> dict:
+    """K-EXAONE: EXAONE 4's attention (q/k norm per head; with a window only the sliding
+    layers rotate) in a pre-norm block, DeepSeek-V3's router, dense layers where
+    ``mlp_layer_types`` (else the first ``first_k_dense_replace``) says."""
+    n_layers = config["num_hidden_layers"]
+    first_dense = config.get("first_k_dense_replace", 1)
+    mlp_types = config.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(n_layers)]
+    return {
+        **exaone4_args(config),
+        "norm_placement": "pre",
+        **deepseek_router_args(config, config.get("num_experts", 64), config.get("num_shared_experts", 1)),
+        "norm_topk_prob": config.get("norm_topk_prob", True),
+        "mlp_only_layers": tuple(i for i, t in enumerate(mlp_types) if t == "dense"),
+    }
+
+
+def dots1_layout(weights: dict, config: dict) -> dict:
+    """Per-expert experts -> stacked under ``mlp.experts.*``, where mlx-lm's dots1 keeps them."""
+    stacked = qwen_moe_layout(weights, config)
+    return {DOTS1_STACKED.sub(r"\1.experts.", name): t for name, t in stacked.items()}
+
+
+DOTS1_STACKED = re.compile(r"(\.mlp)\.switch_mlp\.")
 ERNIE_CORRECTION_BIAS = re.compile(r"(.*)\.mlp\.e_score_correction_bias")
 
 
@@ -87,6 +142,10 @@ GRANITEMOE_RENAMES = (
     (r"(.*)\.block_sparse_moe\.router\.layer\.(.*)", r"\1.mlp.gate.\2"),
     (r"(.*)\.block_sparse_moe\.(.*)", r"\1.mlp.\2"),
 )
+DOTS1_RENAMES = (
+    (r"(.*)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)", r"\1.mlp.switch_mlp.\2.\3"),
+    *GLM4_MOE_RENAMES,
+)
 # Router layers (on-disk module paths), kept at 8 bits when quantizing, as in experts.py.
 ERNIE_ROUTERS = r"model\.layers\.\d+\.mlp\.gate"
 GRANITEMOE_ROUTERS = r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"
@@ -98,4 +157,9 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                  rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
     "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
                                routers=GRANITEMOE_ROUTERS),
+    # mlx-lm's dots1 and exaone_moe routers are no linear layers: they stay float
+    "dots1": Architecture(args=dots1_args, renames=DOTS1_RENAMES, experts=dots1_layout, routers=ERNIE_ROUTERS,
+                          router_bits=None),
+    "exaone_moe": Architecture(args=exaone_moe_args, renames=GLM4_MOE_RENAMES, experts=qwen_moe_layout,
+                               routers=ERNIE_ROUTERS, router_bits=None),
 }
