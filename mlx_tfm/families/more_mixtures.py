@@ -1,4 +1,4 @@
-"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, dots.llm1, K-EXAONE): config -> ``ModelArgs``
+"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, PhiMoE, dots.llm1, K-EXAONE): config -> ``ModelArgs``
 fields, and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
@@ -8,7 +8,16 @@ import re
 from ..model.config import ModelArgs
 from .common import Architecture
 from .decoders import exaone4_args, granite_args, llama_args
-from .experts import GLM4_MOE_RENAMES, QWEN_EXPERT_PROJECTIONS, moe_args, qwen_moe_layout, stack_experts
+from .experts import (
+    GLM4_MOE_RENAMES,
+    MIXTRAL_RENAMES,
+    QWEN_EXPERT_PROJECTIONS,
+    ROUTERS,
+    mixtral_layout,
+    moe_args,
+    qwen_moe_layout,
+    stack_experts,
+)
 from .more_decoders import ernie4_5_args
 
 
@@ -40,6 +49,21 @@ def granitemoe_args(config: dict) -> dict:
     """Granite MoE: Granite's multipliers, experts chosen by their top-k logits, softmax
     over those k (no shared expert)."""
     return {**granite_args(config), **moe_args(config, router_scoring="topk_softmax")}
+
+
+def phimoe_args(config: dict) -> dict:
+    """Phi-3.5-MoE: LayerNorm with biases (its eps under ``rms_norm_eps``), Mixtral's experts,
+    the sparsemixer router, optional biases on attention and the head."""
+    bias = config.get("attention_bias", False)
+    return {
+        **llama_args(config),
+        "norm_type": "layernorm",
+        "norm_eps": config.get("rms_norm_eps", 1e-5),
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "lm_head_bias": config.get("lm_head_bias", False),
+        **moe_args(config, router_scoring="sparsemixer", router_jitter_eps=config.get("router_jitter_noise", 0.01)),
+    }
 
 
 def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
@@ -157,6 +181,7 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                  rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
     "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
                                routers=GRANITEMOE_ROUTERS),
+    "phimoe": Architecture(args=phimoe_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
     # mlx-lm's dots1 and exaone_moe routers are no linear layers: they stay float
     "dots1": Architecture(args=dots1_args, renames=DOTS1_RENAMES, experts=dots1_layout, routers=ERNIE_ROUTERS,
                           router_bits=None),

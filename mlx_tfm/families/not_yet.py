@@ -33,7 +33,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe",
                      "mamba", "mamba2", "falcon_mamba"), ("hybrid", PARALLEL)),
     # families of this branch still to do
-    "phimoe": ("MoE", "the sparsemixer router (a masked softmax per chosen expert)"),
     "olmo": ("dense", "LayerNorm without weight or bias; mlx-lm's olmo reads hf_olmo's format, not transformers'"),
     "hunyuan_v1_dense": ("dense", "q/k norm after RoPE, NTK-alpha RoPE"),
     "hunyuan_v1_moe": ("MoE", "q/k norm after RoPE, NTK-alpha RoPE, its experts' layout"),

@@ -69,7 +69,7 @@ class ModelArgs:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # 0: derived (= intermediate_size)
-    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" (experts.route)
+    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" | "sparsemixer" (experts.route)
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
     router_bias: bool = False  # gpt-oss: the router has a bias
     routed_scaling_factor: float = 1.0  # sigmoid routers: weights times this
@@ -114,6 +114,9 @@ class ModelArgs:
     # ERNIE 4.5 MoE: a softmax router whose choice (not its weights) adds the learned
     # per-expert e_score_correction_bias, as sigmoid routers always do
     router_choice_bias: bool = False
+    # PhiMoE's sparsemixer router (router_scoring "sparsemixer"): the relative band of logits
+    # near each chosen expert that its weight's softmax runs over
+    router_jitter_eps: float = 0.01
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

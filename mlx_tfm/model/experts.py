@@ -19,6 +19,8 @@ Routers (``ModelArgs.router_scoring``):
   expert groups; the weights are the unbiased scores, optionally renormalised, times
   ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5). ``router_choice_bias`` adds the same
   bias to a softmax router's choice (ERNIE 4.5 MoE).
+- ``sparsemixer``: PhiMoE's: k rounds of the best untaken expert, each weighted by its
+  softmax within a band of logits near it (``router_jitter_eps``).
 Experts whose scores tie are taken in index order (lower index first).
 
 This file holds only math, like ``model.py``, which builds these blocks (and passes in the
@@ -43,7 +45,7 @@ from ..cpu import on_cpu
 if TYPE_CHECKING:
     from .config import ModelArgs
 
-ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid", "sparsemixer")
 # From this many (position, expert) pairs on, the pairs are sorted by expert first (as mlx-lm).
 SORT_FROM_PAIRS = 64
 
@@ -70,10 +72,30 @@ def limit_to_groups(choice: mx.array, n_group: int, topk_group: int) -> mx.array
     return mx.where(mx.repeat(keep, E // n_group, axis=-1), choice, -mx.inf)
 
 
+def sparsemixer(logits: mx.array, k: int, jitter_eps: float) -> tuple[mx.array, mx.array]:
+    """PhiMoE's router at inference: k rounds, each taking the best expert not yet taken;
+    its weight is its softmax among the untaken experts whose logit lies within a relative
+    band of ``2 * jitter_eps`` of it (|logit| floored at the best one's, as the scale).
+    (..., E) -> (indices (..., k) uint32, weights (..., k) float32)"""
+    untaken = logits
+    indices, weights = [], []
+    for _ in range(k):
+        best = untaken.max(axis=-1, keepdims=True)  # (..., 1)
+        index = mx.argmax(untaken, axis=-1, keepdims=True)
+        outside = (best - logits) / mx.maximum(mx.abs(logits), best) > 2 * jitter_eps
+        band = mx.softmax(mx.where(outside, -mx.inf, untaken), axis=-1, precise=True)
+        indices.append(index)
+        weights.append(mx.take_along_axis(band, index, axis=-1))
+        untaken = mx.put_along_axis(untaken, index, mx.array(-mx.inf, untaken.dtype), axis=-1)
+    return mx.stop_gradient(mx.concatenate(indices, axis=-1)).astype(mx.uint32), mx.concatenate(weights, axis=-1)
+
+
 def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Router logits (..., E) -> (indices (..., k) uint32, weights (..., k) float32)."""
     k = args.num_experts_per_tok
     logits = logits.astype(mx.float32)
+    if args.router_scoring == "sparsemixer":
+        return sparsemixer(logits, k, args.router_jitter_eps)
     if args.router_scoring == "topk_softmax":
         indices = top_k_indices(logits, k)
         return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)

@@ -94,8 +94,9 @@ def test_unknown_type_names_the_closest_families(model_type, closest):
 
 
 def test_a_known_family_we_do_not_build_says_what_is_missing():
-    with pytest.raises(UserError, match=r"'phimoe' \(not built yet: the sparsemixer router"):
-        architecture_for({"model_type": "phimoe"})
+    """MiniMax's lightning attention is refused by name."""
+    with pytest.raises(UserError, match=r"'minimax' \(not built yet: lightning attention"):
+        architecture_for({"model_type": "minimax"})
 
 
 def test_nothing_close_names_no_closest(tmp_path, capsys):
