@@ -101,7 +101,7 @@ def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = Non
         return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
     if args.router_scoring == "softmax":
         scores = mx.softmax(logits, axis=-1, precise=True)
-        choice = scores if score_bias is None else scores + score_bias.astype(mx.float32)
+        choice = scores + score_bias.astype(mx.float32) if args.router_choice_bias else scores
     else:  # sigmoid
         scores = mx.sigmoid(logits)
         choice = scores + score_bias.astype(mx.float32)
