@@ -1,5 +1,5 @@
 """More decoder-only families with dense feed-forwards (ERNIE 4.5, InternLM 3, Nemotron-4,
-StarCoder 1, Ministral 3 / Mistral 3's text tower): each family's config -> ``ModelArgs``
+StarCoder 1, Ministral 3 and Mistral 3's text tower): each family's config -> ``ModelArgs``
 fields, and its renames. Most are a mapping onto mechanisms the model already has."""
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ def nemotron_args(config: dict) -> dict:
     }
 
 
+def ministral3_args(config: dict) -> dict:
+    """Ministral 3 (the text model of Mistral 3 / Ministral 3 checkpoints): Mistral with
+    YaRN whose ``llama_4_scaling_beta`` also scales the queries up with the position."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta") or 0.0
+    return {
+        **llama_args({**config, "head_dim": config.get("head_dim") or 128}),
+        "query_position_scale_beta": beta,
+        "query_position_scale_period": params.get("original_max_position_embeddings", 0) if beta else 0,
+    }
+
+
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
@@ -101,6 +113,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "ernie4_5": Architecture(args=ernie4_5_args),
     "internlm3": Architecture(args=internlm3_args),
     "nemotron": Architecture(args=nemotron_args),
+    "ministral3": Architecture(args=ministral3_args),
     "gpt_bigcode": Architecture(args=gpt_bigcode_args, renames=GPT_BIGCODE_RENAMES, drops=GPT_BIGCODE_DROPS,
                                 rewrite=split_qkv),
 }

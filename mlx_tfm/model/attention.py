@@ -30,7 +30,7 @@ from ..cpu.quantized_attention import in_float32
 from .cache import CausalRows, CrossAttentionCache, QuantizedKV, window_mask
 from .config import ModelArgs
 from .layers import RMSNorm
-from .positions import make_rope
+from .positions import make_rope, position_ids
 
 
 def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) -> mx.array:
@@ -129,6 +129,15 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
+def query_position_scale(offset, length: int, beta: float, period: int) -> mx.array:
+    """Ministral 3's query temperature, ``1 + beta * log(1 + floor(position / period))``:
+    (L, 1) after a scalar offset, (B, 1, L, 1) after per-row offsets, to scale queries
+    (B, n_heads, L, head_dim)."""
+    positions = position_ids(offset, length).astype(mx.float32)  # (L,) or (B, L)
+    scale = 1 + beta * mx.log(1 + mx.floor(positions / period))
+    return scale[:, None] if scale.ndim == 1 else scale[:, None, :, None]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -157,6 +166,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
         self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
+        self.query_scale = (args.query_position_scale_beta, args.query_position_scale_period)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if isinstance(cache, CrossAttentionCache):
@@ -165,6 +175,8 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         ready = self._decoding_heads(x, offset) if L == 1 else None
         queries, keys, values = ready or self._heads(x, offset)
+        if self.query_scale[0]:
+            queries = queries * query_position_scale(offset, L, *self.query_scale).astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))

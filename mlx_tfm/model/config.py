@@ -117,6 +117,10 @@ class ModelArgs:
     # PhiMoE's sparsemixer router (router_scoring "sparsemixer"): the relative band of logits
     # near each chosen expert that its weight's softmax runs over
     router_jitter_eps: float = 0.01
+    # Ministral 3 (Llama 4's attention temperature): queries after RoPE times
+    # 1 + beta * log(1 + floor(position / period)); 0 = off
+    query_position_scale_beta: float = 0.0
+    query_position_scale_period: int = 0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
