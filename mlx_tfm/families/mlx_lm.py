@@ -54,6 +54,9 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "olmo3": layer_type_rope_keys,
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
+    # mlx-lm's mistral3 ties the head by text_config's key, transformers by the top-level one
+    "mistral3": lambda config: {"text_config": {**config["text_config"],
+                                                "tie_word_embeddings": config.get("tie_word_embeddings", True)}},
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],

@@ -5,8 +5,8 @@ fields, and its renames. Most are a mapping onto mechanisms the model already ha
 from __future__ import annotations
 
 from ..errors import UserError
-from .common import COMMON_DROPS, Architecture, activation, rope_settings
-from .decoders import llama_args, split_qkv
+from .common import COMMON_DROPS, VISION_DROPS, Architecture, activation, rope_settings
+from .decoders import GEMMA3_RENAMES, gemma3_layout, llama_args, split_qkv
 
 
 def ernie4_5_args(config: dict) -> dict:
@@ -66,6 +66,22 @@ def ministral3_args(config: dict) -> dict:
     }
 
 
+# The text models a Mistral 3 image-text checkpoint holds, by text_config's model_type.
+MISTRAL3_TEXT_MODELS = {"ministral3": ministral3_args, "mistral": llama_args}
+
+
+def mistral3_args(config: dict) -> dict:
+    """The language model of a Mistral 3 image-text checkpoint (Ministral 3, Mistral Small
+    3.1): its ``text_config``; the image side is dropped. transformers ties the head by the
+    top-level ``tie_word_embeddings``."""
+    text = config.get("text_config") or {}
+    text_type = text.get("model_type", "mistral")
+    if text_type not in MISTRAL3_TEXT_MODELS:
+        raise UserError(f"mistral3 with a {text_type!r} text model is not supported ({', '.join(MISTRAL3_TEXT_MODELS)})")
+    return {**MISTRAL3_TEXT_MODELS[text_type](text), "model_type": config["model_type"],
+            "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+
+
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
@@ -114,6 +130,9 @@ MORE_DECODERS: dict[str, Architecture] = {
     "internlm3": Architecture(args=internlm3_args),
     "nemotron": Architecture(args=nemotron_args),
     "ministral3": Architecture(args=ministral3_args),
+    # on disk as mlx-lm's mistral3 keeps it (transformers 4's names, as Gemma 3's): language_model.*
+    "mistral3": Architecture(args=mistral3_args, renames=GEMMA3_RENAMES, drops=COMMON_DROPS + VISION_DROPS,
+                             layout=gemma3_layout),
     "gpt_bigcode": Architecture(args=gpt_bigcode_args, renames=GPT_BIGCODE_RENAMES, drops=GPT_BIGCODE_DROPS,
                                 rewrite=split_qkv),
 }

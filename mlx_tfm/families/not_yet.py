@@ -37,7 +37,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "hunyuan_v1_dense": ("dense", "q/k norm after RoPE, NTK-alpha RoPE"),
     "hunyuan_v1_moe": ("MoE", "q/k norm after RoPE, NTK-alpha RoPE, its experts' layout"),
     "hunyuan": ("MoE", "mlx-lm's own layout of HunYuan MoE (cross-layer attention)"),
-    "mistral3": ("dense", "Ministral 3's text tower under an image-text checkpoint"),
     "minimax": ("hybrid", "lightning attention (a linear-attention hybrid)"),
     # not in transformers
     **dict.fromkeys(("internlm2", "baichuan_m1", "afm7", "gear", "iquestloopcoder", "lille-130m", "mimo", "minicpm",
