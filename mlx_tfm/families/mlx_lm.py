@@ -47,6 +47,14 @@ def exaone4_mlx_lm_keys(config: dict) -> dict:
     return keys
 
 
+def hunyuan_rope_scaling(config: dict) -> dict | None:
+    """mlx-lm's hunyuan_v1_dense wants rope_scaling with alpha, factor and ``type``."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not scaling.get("alpha"):
+        return None
+    return {"alpha": scaling["alpha"], "factor": scaling.get("factor", 1.0), "type": "dynamic"}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -57,6 +65,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     # mlx-lm's mistral3 ties the head by text_config's key, transformers by the top-level one
     "mistral3": lambda config: {"text_config": {**config["text_config"],
                                                 "tie_word_embeddings": config.get("tie_word_embeddings", True)}},
+    "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],

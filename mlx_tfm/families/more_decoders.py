@@ -1,5 +1,5 @@
 """More decoder-only families with dense feed-forwards (ERNIE 4.5, InternLM 3, Nemotron-4,
-StarCoder 1, Ministral 3 and Mistral 3's text tower): each family's config -> ``ModelArgs``
+StarCoder 1, Ministral 3 and Mistral 3's text tower, HunYuan dense): each family's config -> ``ModelArgs``
 fields, and its renames. Most are a mapping onto mechanisms the model already has."""
 
 from __future__ import annotations
@@ -82,6 +82,32 @@ def mistral3_args(config: dict) -> dict:
             "tie_word_embeddings": config.get("tie_word_embeddings", True)}
 
 
+def hunyuan_rope(config: dict, head_dim: int) -> dict:
+    """HunYuan's "dynamic" RoPE with a fixed ``alpha`` is NTK-aware: only the base grows,
+    to theta * alpha^(d / (d - 2)), the same for every length."""
+    rope = rope_settings(config)
+    scaling = rope["rope_scaling"]
+    if scaling is None:
+        return rope
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind != "dynamic" or not scaling.get("alpha"):
+        raise UserError(f"HunYuan with {kind!r} RoPE scaling is not supported (dynamic with alpha)")
+    theta = rope["rope_theta"] * scaling["alpha"] ** (head_dim / (head_dim - 2))
+    return {**rope, "rope_theta": theta, "rope_scaling": None}
+
+
+def hunyuan_v1_dense_args(config: dict) -> dict:
+    """HunYuan dense: Llama with q/k norm per head after RoPE (``query_layernorm`` /
+    ``key_layernorm``) and NTK-alpha RoPE."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {
+        **llama_args(config),
+        **hunyuan_rope(config, head_dim),
+        "qk_norm": config.get("use_qk_norm", True),
+        "qk_norm_after_rope": config.get("use_qk_norm", True),
+    }
+
+
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
@@ -121,6 +147,10 @@ GPT_BIGCODE_RENAMES = (
     (r"transformer\.h\.(\d+)\.mlp\.c_fc\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
 )
+HUNYUAN_RENAMES = (
+    (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
+    (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
+)
 GPT_BIGCODE_DROPS = COMMON_DROPS + (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
 
 
@@ -130,6 +160,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "internlm3": Architecture(args=internlm3_args),
     "nemotron": Architecture(args=nemotron_args),
     "ministral3": Architecture(args=ministral3_args),
+    "hunyuan_v1_dense": Architecture(args=hunyuan_v1_dense_args, renames=HUNYUAN_RENAMES),
     # on disk as mlx-lm's mistral3 keeps it (transformers 4's names, as Gemma 3's): language_model.*
     "mistral3": Architecture(args=mistral3_args, renames=GEMMA3_RENAMES, drops=COMMON_DROPS + VISION_DROPS,
                              layout=gemma3_layout),

@@ -1,10 +1,12 @@
-"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, PhiMoE, dots.llm1, K-EXAONE): config -> ``ModelArgs``
-fields, and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
+"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, PhiMoE, HunYuan MoE,
+dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors -> the
+stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
 
 import re
 
+from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import Architecture
 from .decoders import exaone4_args, granite_args, llama_args
@@ -18,7 +20,7 @@ from .experts import (
     qwen_moe_layout,
     stack_experts,
 )
-from .more_decoders import ernie4_5_args
+from .more_decoders import HUNYUAN_RENAMES, ernie4_5_args, hunyuan_v1_dense_args
 
 
 def ernie4_5_moe_args(config: dict) -> dict:
@@ -64,6 +66,20 @@ def phimoe_args(config: dict) -> dict:
         "lm_head_bias": config.get("lm_head_bias", False),
         **moe_args(config, router_scoring="sparsemixer", router_jitter_eps=config.get("router_jitter_noise", 0.01)),
     }
+
+
+def hunyuan_v1_moe_args(config: dict) -> dict:
+    """HunYuan MoE (Hunyuan-A13B): HunYuan dense's attention; on every layer experts as wide
+    as the dense MLP, a softmax top-k router renormalised, and an ungated shared MLP."""
+    top_k = config.get("moe_topk", 1)
+    if isinstance(top_k, list):
+        if len(set(top_k)) != 1:
+            raise UserError("hunyuan_v1_moe with a different moe_topk per layer is not supported")
+        top_k = top_k[0]
+    F = config["intermediate_size"]
+    return {**hunyuan_v1_dense_args(config),
+            **moe_args(config, num_experts_per_tok=top_k, norm_topk_prob=True, moe_intermediate_size=F,
+                       shared_expert_intermediate_size=F)}
 
 
 def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
@@ -166,6 +182,11 @@ GRANITEMOE_RENAMES = (
     (r"(.*)\.block_sparse_moe\.router\.layer\.(.*)", r"\1.mlp.gate.\2"),
     (r"(.*)\.block_sparse_moe\.(.*)", r"\1.mlp.\2"),
 )
+HUNYUAN_MOE_RENAMES = (
+    *HUNYUAN_RENAMES,
+    (r"(.*)\.mlp\.gate\.wg\.(.*)", r"\1.mlp.gate.\2"),
+    (r"(.*)\.mlp\.shared_mlp\.(.*)", r"\1.mlp.shared_expert.\2"),
+)
 DOTS1_RENAMES = (
     (r"(.*)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)", r"\1.mlp.switch_mlp.\2.\3"),
     *GLM4_MOE_RENAMES,
@@ -181,6 +202,8 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                  rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
     "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
                                routers=GRANITEMOE_ROUTERS),
+    "hunyuan_v1_moe": Architecture(args=hunyuan_v1_moe_args, renames=HUNYUAN_MOE_RENAMES, experts=qwen_moe_layout,
+                                   routers=r"model\.layers\.\d+\.mlp\.gate\.wg"),
     "phimoe": Architecture(args=phimoe_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
     # mlx-lm's dots1 and exaone_moe routers are no linear layers: they stay float
     "dots1": Architecture(args=dots1_args, renames=DOTS1_RENAMES, experts=dots1_layout, routers=ERNIE_ROUTERS,

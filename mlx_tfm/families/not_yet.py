@@ -34,8 +34,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
                      "mamba", "mamba2", "falcon_mamba"), ("hybrid", PARALLEL)),
     # families of this branch still to do
     "olmo": ("dense", "LayerNorm without weight or bias; mlx-lm's olmo reads hf_olmo's format, not transformers'"),
-    "hunyuan_v1_dense": ("dense", "q/k norm after RoPE, NTK-alpha RoPE"),
-    "hunyuan_v1_moe": ("MoE", "q/k norm after RoPE, NTK-alpha RoPE, its experts' layout"),
     "hunyuan": ("MoE", "mlx-lm's own layout of HunYuan MoE (cross-layer attention)"),
     "minimax": ("hybrid", "lightning attention (a linear-attention hybrid)"),
     # not in transformers

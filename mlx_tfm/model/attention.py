@@ -167,6 +167,9 @@ class Attention(nn.Module):
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
         self.rope = make_rope(args, args.layer_types[layer_idx]) if rotates else None
         self.query_scale = (args.query_position_scale_beta, args.query_position_scale_period)
+        if args.qk_norm_after_rope and self.qk_norm_scope != "head":
+            raise ValueError("qk_norm_after_rope needs qk_norm over each head")
+        self.qk_norm_after_rope = args.qk_norm_after_rope
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if isinstance(cache, CrossAttentionCache):
@@ -211,12 +214,14 @@ class Attention(nn.Module):
         queries = queries.reshape(B, L, self.n_heads, self.head_dim)
         keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim)
         values = values.reshape(B, L, self.n_kv_heads, self.head_dim)
-        if self.qk_norm_scope == "head":
+        if self.qk_norm_scope == "head" and not self.qk_norm_after_rope:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         # -> (B, heads, L, head_dim), the layout attention and the cache work in
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if self.rope is not None:
             queries, keys = self.rope(queries, offset), self.rope(keys, offset)
+        if self.qk_norm_after_rope:  # HunYuan
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 
     def _cross_attention(self, x: mx.array, cross: CrossAttentionCache) -> mx.array:

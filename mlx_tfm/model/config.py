@@ -121,6 +121,8 @@ class ModelArgs:
     # 1 + beta * log(1 + floor(position / period)); 0 = off
     query_position_scale_beta: float = 0.0
     query_position_scale_period: int = 0
+    # HunYuan: q/k norm (per head) after RoPE instead of before
+    qk_norm_after_rope: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
