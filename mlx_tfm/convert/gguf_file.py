@@ -211,6 +211,26 @@ def qwen3moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- more families (mlx_tfm/families/more_decoders.py) --
+UNGATED_PRE_NORM_NAMES = EMBEDDING_AND_HEAD + ATTENTION + PRE_NORMS + (
+    per_layer("ffn_up", "mlp.up_proj"), per_layer("ffn_down", "mlp.down_proj"))
+
+
+def ernie4_5_keys(get, base: dict, tensors: dict) -> dict:
+    return {"use_bias": "blk.0.attn_q.bias" in tensors}
+
+
+def nemotron_keys(get, base: dict, tensors: dict) -> dict:
+    """NemotronModel writes the rotated dims of a head and LayerNorm1P's weights plus 1
+    (llama.cpp's plain LayerNorm then computes the same)."""
+    rotary = get("rope.dimension_count", base["head_dim"])
+    return {
+        "partial_rotary_factor": int(rotary) / base["head_dim"],
+        "norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "hidden_act": "relu2",
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -232,6 +252,10 @@ GGUF_ARCHITECTURES = {
     "granite": GGUFArchitecture("granite", "GraniteForCausalLM", config=granite_keys, permuted_qk=True),
     "smollm3": GGUFArchitecture("smollm3", "SmolLM3ForCausalLM", permuted_qk=True),  # every 4th layer unrotated
     "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
+    # -- more families --
+    "ernie4_5": GGUFArchitecture("ernie4_5", "Ernie4_5ForCausalLM", config=ernie4_5_keys),  # RoPE over pairs: unpermuted
+    "nemotron": GGUFArchitecture("nemotron", "NemotronForCausalLM", UNGATED_PRE_NORM_NAMES, nemotron_keys,
+                                 norm_shift=1.0),
 }
 
 
@@ -483,7 +507,7 @@ def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
                 weights[name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx_quantized(kind, data)
                 continue
             weights[name] = decode_float(t, data)
-            if shift and name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
+            if shift and name.endswith("norm.weight"):  # Gemma, Nemotron scale by (1 + w); llama.cpp stores 1 + w
                 weights[name] = weights[name] - shift
     quantization = {"group_size": GROUP_SIZE, "bits": EXACT_TYPES[exact]} if exact else None
     return weights, quantization
