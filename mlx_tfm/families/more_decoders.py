@@ -77,7 +77,8 @@ def mistral3_args(config: dict) -> dict:
     text = config.get("text_config") or {}
     text_type = text.get("model_type", "mistral")
     if text_type not in MISTRAL3_TEXT_MODELS:
-        raise UserError(f"mistral3 with a {text_type!r} text model is not supported ({', '.join(MISTRAL3_TEXT_MODELS)})")
+        supported = ", ".join(MISTRAL3_TEXT_MODELS)
+        raise UserError(f"mistral3 with a {text_type!r} text model is not supported ({supported})")
     return {**MISTRAL3_TEXT_MODELS[text_type](text), "model_type": config["model_type"],
             "tie_word_embeddings": config.get("tie_word_embeddings", True)}
 
