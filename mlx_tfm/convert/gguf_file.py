@@ -231,6 +231,12 @@ def nemotron_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+def hunyuan_dense_keys(get, base: dict, tensors: dict) -> dict:
+    """HunYuanModel folds NTK-alpha into the base it writes (no scaling type): a plain base
+    here; q/k norm after RoPE is the family's own."""
+    return {"use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -256,6 +262,7 @@ GGUF_ARCHITECTURES = {
     "ernie4_5": GGUFArchitecture("ernie4_5", "Ernie4_5ForCausalLM", config=ernie4_5_keys),  # RoPE over pairs: unpermuted
     "nemotron": GGUFArchitecture("nemotron", "NemotronForCausalLM", UNGATED_PRE_NORM_NAMES, nemotron_keys,
                                  norm_shift=1.0),
+    "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
 }
 
 

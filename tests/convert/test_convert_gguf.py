@@ -201,6 +201,7 @@ LLAMA_CPP_CASES = {
     # -- more families --
     "ernie4_5": ({}, "llama-bpe"),
     "nemotron": ({}, "gpt-2"),  # LayerNorm1P's weights stored plus 1, half of each head rotated
+    "hunyuan_v1_dense": ({}, "llama-bpe"),  # NTK-alpha folded into the base
 }
 # transformers' GGUF reader as a second reference where it reads the file right (for Gemma 3
 # it drops the rope scaling and query_pre_attn_scalar, for Qwen 3 the head size).
