@@ -1,6 +1,6 @@
-"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE, PhiMoE, HunYuan MoE,
-dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors -> the
-stacked layout (mlx-lm's, as in ``experts.py``)."""
+"""More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE and its shared form, PhiMoE,
+HunYuan MoE, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors ->
+the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 from ..errors import UserError
 from ..model.config import ModelArgs
-from .common import Architecture
+from .common import Architecture, split_rows
 from .decoders import exaone4_args, granite_args, llama_args
 from .experts import (
     GLM4_MOE_RENAMES,
@@ -137,6 +137,17 @@ def dots1_layout(weights: dict, config: dict) -> dict:
 
 
 DOTS1_STACKED = re.compile(r"(\.mlp)\.switch_mlp\.")
+def granitemoeshared_args(config: dict) -> dict:
+    """Granite MoE with a shared MLP beside the experts (``shared_intermediate_size``; 0: none)."""
+    return {**granitemoe_args(config), "shared_expert_intermediate_size": config.get("shared_intermediate_size", 0)}
+
+
+def granitemoeshared_rewrite(weights: dict, args: ModelArgs) -> dict:
+    # the shared MLP's input_linear holds gate rows, then up rows (GraniteMoeSharedMLP chunks in two)
+    S = args.shared_expert_intermediate_size
+    return split_rows(weights, "shared_expert.gate_up_proj", {"shared_expert.gate_proj": S, "shared_expert.up_proj": S})
+
+
 ERNIE_CORRECTION_BIAS = re.compile(r"(.*)\.mlp\.e_score_correction_bias")
 
 
@@ -191,6 +202,11 @@ DOTS1_RENAMES = (
     (r"(.*)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)", r"\1.mlp.switch_mlp.\2.\3"),
     *GLM4_MOE_RENAMES,
 )
+GRANITEMOESHARED_RENAMES = (
+    (r"(.*)\.shared_mlp\.input_linear\.(.*)", r"\1.mlp.shared_expert.gate_up_proj.\2"),
+    (r"(.*)\.shared_mlp\.output_linear\.(.*)", r"\1.mlp.shared_expert.down_proj.\2"),
+    *GRANITEMOE_RENAMES,
+)
 # Router layers (on-disk module paths), kept at 8 bits when quantizing, as in experts.py.
 ERNIE_ROUTERS = r"model\.layers\.\d+\.mlp\.gate"
 GRANITEMOE_ROUTERS = r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"
@@ -202,6 +218,9 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                  rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
     "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
                                routers=GRANITEMOE_ROUTERS),
+    "granitemoeshared": Architecture(args=granitemoeshared_args, renames=GRANITEMOESHARED_RENAMES,
+                                     experts=granitemoe_layout, rewrite=granitemoeshared_rewrite,
+                                     routers=GRANITEMOE_ROUTERS),
     "hunyuan_v1_moe": Architecture(args=hunyuan_v1_moe_args, renames=HUNYUAN_MOE_RENAMES, experts=qwen_moe_layout,
                                    routers=r"model\.layers\.\d+\.mlp\.gate\.wg"),
     "phimoe": Architecture(args=phimoe_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),

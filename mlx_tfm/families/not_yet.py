@@ -92,7 +92,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     # mixtures of experts
     "dbrx": ("MoE", "its fused Wqkv and experts layout"),
     "jetmoe": ("MoE", "mixture of attention heads (experts in attention too)"),
-    "granitemoeshared": ("MoE", "Granite MoE with a shared expert: its table entry"),
     "granitemoe_swa": ("MoE", UNREVIEWED),
     "flex_olmo": ("MoE", "its table entry (OLMo 2 attention, OLMoE experts)"),
     "afmoe": ("MoE", "gated attention, mu-P scaling and its sigmoid router"),
