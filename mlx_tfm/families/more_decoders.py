@@ -35,6 +35,12 @@ def internlm3_args(config: dict) -> dict:
     }
 
 
+def iquestcoder_args(config: dict) -> dict:
+    """IQuest-Coder: Llama under its own name (transformers and mlx-lm run it as Llama), with
+    its config's default head_dim (128)."""
+    return llama_args({**config, "head_dim": config.get("head_dim") or 128})
+
+
 def nemotron_args(config: dict) -> dict:
     """Nemotron-4: LayerNorm1P (LayerNorm scaling by weight + 1), an ungated squared-ReLU
     MLP, RoPE over half of each head unless the config says otherwise."""
@@ -159,6 +165,7 @@ GPT_BIGCODE_DROPS = COMMON_DROPS + (r"transformer\.h\.\d+\.attn\.(bias|masked_bi
 MORE_DECODERS: dict[str, Architecture] = {
     "ernie4_5": Architecture(args=ernie4_5_args),
     "internlm3": Architecture(args=internlm3_args),
+    "iquestcoder": Architecture(args=iquestcoder_args),
     "nemotron": Architecture(args=nemotron_args),
     "ministral3": Architecture(args=ministral3_args),
     "hunyuan_v1_dense": Architecture(args=hunyuan_v1_dense_args, renames=HUNYUAN_RENAMES),
