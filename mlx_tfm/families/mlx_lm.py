@@ -12,7 +12,8 @@ from .decoders import GEMMA3_TEXT_DEFAULTS
 MLX_LM_CONFIG_ALIASES = {
     "gpt2": {"n_ctx": "n_positions"},
     "qwen3_moe": {"num_experts": "num_local_experts"},
-    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},  # the hub's spelling, which mlx-lm reads
+    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps"},  # the hub's spelling, which mlx-lm reads
 }
 
 

@@ -41,6 +41,18 @@ def iquestcoder_args(config: dict) -> dict:
     return llama_args({**config, "head_dim": config.get("head_dim") or 128})
 
 
+def exaone_args(config: dict) -> dict:
+    """EXAONE 3 / 3.5: Llama in GPT-2-style tensor names, its hub configs spelling the layer
+    count, norm epsilon and activation as ``num_layers``, ``layer_norm_epsilon``,
+    ``activation_function`` (transformers writes the Llama names)."""
+    spelled = {
+        "num_hidden_layers": config.get("num_hidden_layers") or config["num_layers"],
+        "rms_norm_eps": config.get("rms_norm_eps") or config.get("layer_norm_epsilon", 1e-5),
+        "hidden_act": config.get("hidden_act") or config.get("activation_function", "silu"),
+    }
+    return llama_args({**config, **spelled})
+
+
 def nemotron_args(config: dict) -> dict:
     """Nemotron-4: LayerNorm1P (LayerNorm scaling by weight + 1), an ungated squared-ReLU
     MLP, RoPE over half of each head unless the config says otherwise."""
@@ -154,6 +166,17 @@ GPT_BIGCODE_RENAMES = (
     (r"transformer\.h\.(\d+)\.mlp\.c_fc\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
 )
+EXAONE_RENAMES = (
+    (r"transformer\.wte\.(.*)", r"model.embed_tokens.\1"),
+    (r"transformer\.ln_f\.(.*)", r"model.norm.\1"),
+    (r"transformer\.h\.(\d+)\.ln_1\.(.*)", r"model.layers.\1.input_layernorm.\2"),
+    (r"transformer\.h\.(\d+)\.ln_2\.(.*)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.attention\.out_proj\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.attention\.(.*)", r"model.layers.\1.self_attn.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_fc_0\.(.*)", r"model.layers.\1.mlp.gate_proj.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_fc_1\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+)
 HUNYUAN_RENAMES = (
     (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
     (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
@@ -166,6 +189,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "ernie4_5": Architecture(args=ernie4_5_args),
     "internlm3": Architecture(args=internlm3_args),
     "iquestcoder": Architecture(args=iquestcoder_args),
+    "exaone": Architecture(args=exaone_args, renames=EXAONE_RENAMES),  # on disk in its own names, as mlx-lm reads
     "nemotron": Architecture(args=nemotron_args),
     "ministral3": Architecture(args=ministral3_args),
     "hunyuan_v1_dense": Architecture(args=hunyuan_v1_dense_args, renames=HUNYUAN_RENAMES),

@@ -75,7 +75,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "doge": ("MoE", "dynamic mask attention and cross-domain experts"),
     "vaultgemma": ("dense", "its table entry (Gemma 2 without the sandwich norms)"),
     "glm": ("dense", "its table entry (interleaved partial RoPE, fused gate_up)"),
-    "exaone": ("dense", "EXAONE 3's own tensor names (transformers runs it as Llama)"),
     "gpt-sw3": ("dense", "its table entry (GPT-2 under another name)"),
     "cwm": ("dense", "its table entry (Llama 3 with sliding-window layers)"),
     "nanochat": ("dense", "its table entry (ReLU^2, q/k norm without weights)"),

@@ -30,6 +30,14 @@ def test_internlm3_hub_spelling_reads_as_transformers_names():
     assert hub.attention_bias and hub.attention_out_bias and hub.mlp_bias
 
 
+def test_exaone_hub_spelling_reads_as_transformers_names():
+    """EXAONE 3's hub configs: num_layers, layer_norm_epsilon, activation_function."""
+    named = tiny("exaone", num_hidden_layers=3, rms_norm_eps=1e-6, hidden_act="silu")
+    hub = {k: v for k, v in named.items() if k not in ("num_hidden_layers", "rms_norm_eps", "hidden_act")}
+    hub.update(num_layers=3, layer_norm_epsilon=1e-6, activation_function="silu")
+    assert model_args_from_config(hub) == model_args_from_config(named)
+
+
 def test_hunyuan_classic_rope_scaling_is_ntk_alpha():
     """transformers 4 / hub spelling: rope_scaling {"type": "dynamic", "alpha"} and rope_theta;
     the base becomes theta * alpha^(d / (d - 2))."""
