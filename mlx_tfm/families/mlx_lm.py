@@ -56,6 +56,14 @@ def hunyuan_rope_scaling(config: dict) -> dict | None:
     return {"alpha": scaling["alpha"], "factor": scaling.get("factor", 1.0), "type": "dynamic"}
 
 
+def minimax_m2_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's minimax (which runs minimax_m2) requires rotary_dim, and the size of a shared
+    expert M2 does not have (0, as its hub configs say)."""
+    partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return {"rotary_dim": config.get("rotary_dim") or int(config["head_dim"] * partial),
+            "shared_intermediate_size": config.get("shared_intermediate_size", 0)}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -67,6 +75,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "mistral3": lambda config: {"text_config": {**config["text_config"],
                                                 "tie_word_embeddings": config.get("tie_word_embeddings", True)}},
     "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
+    "minimax_m2": minimax_m2_mlx_lm_keys,
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],

@@ -1,5 +1,5 @@
 """More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE and its shared form, PhiMoE,
-HunYuan MoE, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors ->
+HunYuan MoE, MiniMax-M2, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors ->
 the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 from ..errors import UserError
 from ..model.config import ModelArgs
-from .common import Architecture, split_rows
+from .common import Architecture, rope_settings, split_rows
 from .decoders import exaone4_args, granite_args, llama_args
 from .experts import (
     GLM4_MOE_RENAMES,
@@ -80,6 +80,23 @@ def hunyuan_v1_moe_args(config: dict) -> dict:
     return {**hunyuan_v1_dense_args(config),
             **moe_args(config, num_experts_per_tok=top_k, norm_topk_prob=True, moe_intermediate_size=F,
                        shared_expert_intermediate_size=F)}
+
+
+def minimax_m2_args(config: dict) -> dict:
+    """MiniMax-M2: full attention with q/k norm over the whole projection and partial RoPE
+    (hub configs say ``rotary_dim``), Mixtral's experts chosen by sigmoid scores plus a
+    learned bias, the chosen scores renormalised."""
+    rope = rope_settings(config)
+    head_dim = config.get("head_dim") or 128
+    if config.get("rotary_dim") and not (config.get("rope_parameters") or {}).get("partial_rotary_factor"):
+        rope["partial_rotary_factor"] = config["rotary_dim"] / head_dim
+    return {
+        **llama_args({**config, "head_dim": head_dim}),
+        **rope,
+        "qk_norm": config.get("use_qk_norm", True),
+        "qk_norm_scope": "projection",
+        **moe_args(config, router_scoring="sigmoid", norm_topk_prob=True),
+    }
 
 
 def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
@@ -223,6 +240,7 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                      routers=GRANITEMOE_ROUTERS),
     "hunyuan_v1_moe": Architecture(args=hunyuan_v1_moe_args, renames=HUNYUAN_MOE_RENAMES, experts=qwen_moe_layout,
                                    routers=r"model\.layers\.\d+\.mlp\.gate\.wg"),
+    "minimax_m2": Architecture(args=minimax_m2_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
     "phimoe": Architecture(args=phimoe_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
     # mlx-lm's dots1 and exaone_moe routers are no linear layers: they stay float
     "dots1": Architecture(args=dots1_args, renames=DOTS1_RENAMES, experts=dots1_layout, routers=ERNIE_ROUTERS,

@@ -104,7 +104,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "glm_moe_dsa": ("MoE", "DeepSeek sparse attention"),
     "mimo_v2_flash": ("MoE", "hybrid sliding-window attention with attention sinks per layer type; its table entry"),
     "longcat_flash": ("MoE", "zero-computation experts and MLA"),
-    "minimax_m2": ("MoE", "its table entry (full attention with q/k norm over all heads, sigmoid router)"),
     # hybrids
     "falcon_h1": ("hybrid", "Mamba-2 mixers in parallel with attention"),
     "jamba": ("hybrid", "Mamba layers between attention layers, experts"),

@@ -38,6 +38,14 @@ def test_exaone_hub_spelling_reads_as_transformers_names():
     assert model_args_from_config(hub) == model_args_from_config(named)
 
 
+def test_minimax_m2_hub_rotary_dim_is_partial_rope():
+    v5 = tiny("minimax_m2")
+    hub = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    hub.update(rope_theta=10000.0, rotary_dim=8)
+    assert model_args_from_config(hub) == model_args_from_config(v5)
+    assert model_args_from_config(hub).partial_rotary_factor == 0.5
+
+
 def test_hunyuan_classic_rope_scaling_is_ntk_alpha():
     """transformers 4 / hub spelling: rope_scaling {"type": "dynamic", "alpha"} and rope_theta;
     the base becomes theta * alpha^(d / (d - 2))."""
