@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .common import COMMON_DROPS, VISION_DROPS, Architecture, activation, rope_settings
-from .decoders import GEMMA3_RENAMES, gemma3_layout, llama_args, split_qkv
+from .decoders import GEMMA3_RENAMES, gemma2_args, gemma3_layout, llama_args, split_qkv
 
 
 def ernie4_5_args(config: dict) -> dict:
@@ -51,6 +51,30 @@ def exaone_args(config: dict) -> dict:
         "hidden_act": config.get("hidden_act") or config.get("activation_function", "silu"),
     }
     return llama_args({**config, **spelled})
+
+
+# transformers' CwmConfig RoPE where a config has none: Llama 3 scaling of a 1M base.
+CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+
+def cwm_args(config: dict) -> dict:
+    """Code World Model: Llama 3 with sliding-window layers, every 4th from layer 0 full."""
+    if not config.get("rope_parameters") and not config.get("rope_scaling") and not config.get("rope_theta"):
+        config = {**config, "rope_parameters": CWM_ROPE}
+    n_layers, window = config["num_hidden_layers"], config.get("sliding_window", 8192)
+    every_4th_full = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n_layers)]
+    return {
+        **llama_args({**config, "head_dim": config.get("head_dim") or 128, "attention_bias": False}),
+        "sliding_window": window,
+        "layer_types": config.get("layer_types") or every_4th_full,
+    }
+
+
+def vaultgemma_args(config: dict) -> dict:
+    """VaultGemma: Gemma 2 without the norms after each sublayer (a pre-norm block whose
+    second norm is named ``pre_feedforward_layernorm``)."""
+    return {**gemma2_args(config), "norm_placement": "pre"}
 
 
 def nemotron_args(config: dict) -> dict:
@@ -177,6 +201,7 @@ EXAONE_RENAMES = (
     (r"transformer\.h\.(\d+)\.mlp\.c_fc_1\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
 )
+VAULTGEMMA_RENAMES = ((r"(.*)\.pre_feedforward_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),)
 HUNYUAN_RENAMES = (
     (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
     (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
@@ -189,6 +214,8 @@ MORE_DECODERS: dict[str, Architecture] = {
     "ernie4_5": Architecture(args=ernie4_5_args),
     "internlm3": Architecture(args=internlm3_args),
     "iquestcoder": Architecture(args=iquestcoder_args),
+    "cwm": Architecture(args=cwm_args),
+    "vaultgemma": Architecture(args=vaultgemma_args, renames=VAULTGEMMA_RENAMES),
     "exaone": Architecture(args=exaone_args, renames=EXAONE_RENAMES),  # on disk in its own names, as mlx-lm reads
     "nemotron": Architecture(args=nemotron_args),
     "ministral3": Architecture(args=ministral3_args),
