@@ -1,6 +1,6 @@
 """More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE and its shared form, PhiMoE,
-HunYuan MoE, MiniMax-M2, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields, and their expert tensors ->
-the stacked layout (mlx-lm's, as in ``experts.py``)."""
+HunYuan MoE, MiniMax-M2, FlexOlmo, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields,
+and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import Architecture, rope_settings, split_rows
-from .decoders import exaone4_args, granite_args, llama_args
+from .decoders import exaone4_args, granite_args, llama_args, olmo2_args
 from .experts import (
     GLM4_MOE_RENAMES,
     MIXTRAL_RENAMES,
@@ -97,6 +97,12 @@ def minimax_m2_args(config: dict) -> dict:
         "qk_norm_scope": "projection",
         **moe_args(config, router_scoring="sigmoid", norm_topk_prob=True),
     }
+
+
+def flex_olmo_args(config: dict) -> dict:
+    """FlexOlmo: OLMo 2's block (norms after each sublayer, q/k norm over the projection)
+    with OLMoE's experts (softmax router, optionally renormalised)."""
+    return {**olmo2_args(config), **moe_args(config)}
 
 
 def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
@@ -235,6 +241,7 @@ MORE_MIXTURES: dict[str, Architecture] = {
                                  rewrite=ernie4_5_moe_rewrite, routers=ERNIE_ROUTERS),
     "granitemoe": Architecture(args=granitemoe_args, renames=GRANITEMOE_RENAMES, experts=granitemoe_layout,
                                routers=GRANITEMOE_ROUTERS),
+    "flex_olmo": Architecture(args=flex_olmo_args, experts=qwen_moe_layout, routers=ROUTERS),
     "granitemoeshared": Architecture(args=granitemoeshared_args, renames=GRANITEMOESHARED_RENAMES,
                                      experts=granitemoe_layout, rewrite=granitemoeshared_rewrite,
                                      routers=GRANITEMOE_ROUTERS),

@@ -89,7 +89,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "dbrx": ("MoE", "its fused Wqkv and experts layout"),
     "jetmoe": ("MoE", "mixture of attention heads (experts in attention too)"),
     "granitemoe_swa": ("MoE", UNREVIEWED),
-    "flex_olmo": ("MoE", "its table entry (OLMo 2 attention, OLMoE experts)"),
     "afmoe": ("MoE", "gated attention, mu-P scaling and its sigmoid router"),
     "cohere2_moe": ("MoE", UNREVIEWED), "mellum": ("MoE", UNREVIEWED), "laguna": ("MoE", UNREVIEWED),
     "solar_open": ("MoE", UNREVIEWED), "axk1": ("MoE", UNREVIEWED), "axk2": ("MoE", UNREVIEWED),

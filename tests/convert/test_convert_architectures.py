@@ -59,7 +59,8 @@ MLX_LM_DIFFERS = {
     "gpt_bigcode": (2e-3, "exact GELU where transformers uses the tanh form"),
     "ernie4_5_moe": (0.3, "mlx-lm drops the router's e_score_correction_bias, so some positions choose other experts"),
 }
-MLX_LM_LACKS = ("arcee", "ministral", "hunyuan_v1_moe", "granitemoeshared", "cwm", "vaultgemma")  # model_types mlx-lm 0.32 has no model file for
+MLX_LM_LACKS = ("arcee", "ministral", "hunyuan_v1_moe", "granitemoeshared", "cwm", "vaultgemma",
+                "flex_olmo")  # model_types mlx-lm 0.32 has no model file for
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS if TINY_CONFIGS[name].get("model_type", name) not in MLX_LM_LACKS)
 
 
