@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .common import COMMON_DROPS, VISION_DROPS, Architecture, activation, rope_settings
-from .decoders import GEMMA3_RENAMES, gemma2_args, gemma3_layout, llama_args, split_qkv
+from .decoders import GEMMA3_RENAMES, gemma2_args, gemma3_layout, llama_args, phi3_rewrite, split_qkv
 
 
 def ernie4_5_args(config: dict) -> dict:
@@ -75,6 +75,21 @@ def vaultgemma_args(config: dict) -> dict:
     """VaultGemma: Gemma 2 without the norms after each sublayer (a pre-norm block whose
     second norm is named ``pre_feedforward_layernorm``)."""
     return {**gemma2_args(config), "norm_placement": "pre"}
+
+
+def glm_args(config: dict) -> dict:
+    """GLM-4 (2024, ``glm``): Llama with q/k/v biases (o_proj none), RoPE over adjacent pairs
+    of the first half of each head (transformers' default), gate and up fused as Phi-3's."""
+    rope = rope_settings(config)
+    if "partial_rotary_factor" not in (config.get("rope_parameters") or {}) and "partial_rotary_factor" not in config:
+        rope["partial_rotary_factor"] = 0.5
+    return {
+        **llama_args({**config, "head_dim": config.get("head_dim") or 128}),
+        **rope,
+        "attention_bias": config.get("attention_bias", True),
+        "attention_out_bias": False,
+        "rope_traditional": True,
+    }
 
 
 def nemotron_args(config: dict) -> dict:
@@ -215,6 +230,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "internlm3": Architecture(args=internlm3_args),
     "iquestcoder": Architecture(args=iquestcoder_args),
     "cwm": Architecture(args=cwm_args),
+    "glm": Architecture(args=glm_args, rewrite=phi3_rewrite),  # gate_up_proj fused on disk, as mlx-lm's glm
     "vaultgemma": Architecture(args=vaultgemma_args, renames=VAULTGEMMA_RENAMES),
     "exaone": Architecture(args=exaone_args, renames=EXAONE_RENAMES),  # on disk in its own names, as mlx-lm reads
     "nemotron": Architecture(args=nemotron_args),

@@ -73,7 +73,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "persimmon": ("dense", "q/k LayerNorm with partial RoPE and squared ReLU; its table entry"),
     "diffllama": ("dense", "differential attention (two softmaxes subtracted)"),
     "doge": ("MoE", "dynamic mask attention and cross-domain experts"),
-    "glm": ("dense", "its table entry (interleaved partial RoPE, fused gate_up)"),
     "gpt-sw3": ("dense", "its table entry (GPT-2 under another name)"),
     "nanochat": ("dense", "its table entry (ReLU^2, q/k norm without weights)"),
     "jais2": ("dense", UNREVIEWED), "hyperclovax": ("dense", UNREVIEWED), "youtu": ("dense", UNREVIEWED),

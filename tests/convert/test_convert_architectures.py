@@ -57,6 +57,7 @@ MLX_LM_DIFFERS = {
     "gpt_oss": (5e-3, "YaRN with truncate false rounded as if true (test_moe.py shows it is only that)"),
     # -- more families --
     "gpt_bigcode": (2e-3, "exact GELU where transformers uses the tanh form"),
+    "glm": (2.0, "mlx-lm rotates the whole head where transformers rotates half (partial_rotary_factor)"),
     "ernie4_5_moe": (0.3, "mlx-lm drops the router's e_score_correction_bias, so some positions choose other experts"),
 }
 MLX_LM_LACKS = ("arcee", "ministral", "hunyuan_v1_moe", "granitemoeshared", "cwm", "vaultgemma",
