@@ -73,7 +73,7 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "persimmon": ("dense", "q/k LayerNorm with partial RoPE and squared ReLU; its table entry"),
     "diffllama": ("dense", "differential attention (two softmaxes subtracted)"),
     "doge": ("MoE", "dynamic mask attention and cross-domain experts"),
-    "gpt-sw3": ("dense", "its table entry (GPT-2 under another name)"),
+    "gpt-sw3": ("dense", "an alias in transformers' table: its configs say gpt2, which is built"),
     "nanochat": ("dense", "its table entry (ReLU^2, q/k norm without weights)"),
     "jais2": ("dense", UNREVIEWED), "hyperclovax": ("dense", UNREVIEWED), "youtu": ("dense", UNREVIEWED),
     "apertus1p5_text": ("dense", UNREVIEWED), "granite_swa": ("dense", UNREVIEWED), "blt": ("dense", UNREVIEWED),
