@@ -1,6 +1,6 @@
 """More mixture-of-experts families (ERNIE 4.5 MoE, Granite MoE and its shared form, PhiMoE,
-HunYuan MoE, MiniMax-M2, FlexOlmo, dots.llm1, K-EXAONE): config -> ``ModelArgs`` fields,
-and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
+HunYuan MoE, MiniMax-M2, FlexOlmo, Sarvam, dots.llm1, K-EXAONE): config -> ``ModelArgs``
+fields, and their expert tensors -> the stacked layout (mlx-lm's, as in ``experts.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import re
 from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import Architecture, rope_settings, split_rows
-from .decoders import exaone4_args, granite_args, llama_args, olmo2_args
+from .decoders import exaone4_args, granite_args, llama_args, olmo2_args, split_qkv
 from .experts import (
     GLM4_MOE_RENAMES,
+    glm4_moe_args,
+    glm4_moe_layout,
     MIXTRAL_RENAMES,
     QWEN_EXPERT_PROJECTIONS,
     ROUTERS,
@@ -103,6 +105,19 @@ def flex_olmo_args(config: dict) -> dict:
     """FlexOlmo: OLMo 2's block (norms after each sublayer, q/k norm over the projection)
     with OLMoE's experts (softmax router, optionally renormalised)."""
     return {**olmo2_args(config), **moe_args(config)}
+
+
+def sarvam_moe_args(config: dict) -> dict:
+    """Sarvam MoE: GLM-4.5 rotating whole heads, its hub configs spelling the expert counts
+    and q/k/v bias as ``num_experts``, ``num_shared_experts``, ``use_qkv_bias``."""
+    spelled = {
+        "n_routed_experts": config.get("n_routed_experts") or config.get("num_experts"),
+        "n_shared_experts": config.get("n_shared_experts", config.get("num_shared_experts", 1)),
+        "attention_bias": config.get("attention_bias", config.get("use_qkv_bias", False)),
+        "use_qk_norm": config.get("use_qk_norm", True),
+    }
+    args = glm4_moe_args({**config, **spelled, "head_dim": config.get("head_dim") or 64})
+    return {**args, "attention_bias": spelled["attention_bias"]}
 
 
 def deepseek_router_args(config: dict, n_experts: int, n_shared: int) -> dict:
@@ -221,6 +236,16 @@ HUNYUAN_MOE_RENAMES = (
     (r"(.*)\.mlp\.gate\.wg\.(.*)", r"\1.mlp.gate.\2"),
     (r"(.*)\.mlp\.shared_mlp\.(.*)", r"\1.mlp.shared_expert.\2"),
 )
+# Sarvam's original names (its bailing-style attention), as transformers' conversion maps them.
+SARVAM_MOE_RENAMES = (
+    (r"model\.word_embeddings\.(.*)", r"model.embed_tokens.\1"),
+    (r"(.*)\.attention\.query_key_value\.(.*)", r"\1.self_attn.qkv_proj.\2"),
+    (r"(.*)\.attention\.dense\.(.*)", r"\1.self_attn.o_proj.\2"),
+    (r"(.*)\.attention\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
+    (r"(.*)\.attention\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
+    (r"(.*)\.mlp\.gate\.expert_bias", r"\1.mlp.e_score_correction_bias"),
+    *GLM4_MOE_RENAMES,
+)
 DOTS1_RENAMES = (
     (r"(.*)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)", r"\1.mlp.switch_mlp.\2.\3"),
     *GLM4_MOE_RENAMES,
@@ -248,6 +273,8 @@ MORE_MIXTURES: dict[str, Architecture] = {
     "hunyuan_v1_moe": Architecture(args=hunyuan_v1_moe_args, renames=HUNYUAN_MOE_RENAMES, experts=qwen_moe_layout,
                                    routers=r"model\.layers\.\d+\.mlp\.gate\.wg"),
     "minimax_m2": Architecture(args=minimax_m2_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
+    "sarvam_moe": Architecture(args=sarvam_moe_args, renames=SARVAM_MOE_RENAMES, experts=glm4_moe_layout,
+                               rewrite=split_qkv, routers=ROUTERS),
     "phimoe": Architecture(args=phimoe_args, renames=MIXTRAL_RENAMES, experts=mixtral_layout, routers=ROUTERS),
     # mlx-lm's dots1 and exaone_moe routers are no linear layers: they stay float
     "dots1": Architecture(args=dots1_args, renames=DOTS1_RENAMES, experts=dots1_layout, routers=ERNIE_ROUTERS,

@@ -93,7 +93,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "solar_open": ("MoE", UNREVIEWED), "axk1": ("MoE", UNREVIEWED), "axk2": ("MoE", UNREVIEWED),
     "beam": ("MoE", UNREVIEWED), "flint": ("MoE", UNREVIEWED), "kolibri1": ("MoE", UNREVIEWED),
     "hy_v3": ("MoE", UNREVIEWED), "hy_v4": ("MoE", UNREVIEWED),
-    "sarvam_moe": ("MoE", "its table entry (GLM-4.5 under another name)"),
     "sarvam_mla": ("MoE", "multi-head latent attention (DeepSeek-V3's)"),
     "deepseek_v32": ("MoE", "DeepSeek sparse attention (a lightning indexer) over MLA"),
     "deepseek_v4": ("MoE", "MLA with DeepSeek V4's compressed attention"),
