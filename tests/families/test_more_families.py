@@ -46,6 +46,15 @@ def test_minimax_m2_hub_rotary_dim_is_partial_rope():
     assert model_args_from_config(hub).partial_rotary_factor == 0.5
 
 
+def test_sarvam_moe_hub_spelling_reads_as_transformers_names():
+    named = tiny("sarvam_moe")
+    hub = {k: v for k, v in named.items() if k not in ("n_routed_experts", "n_shared_experts", "attention_bias")}
+    hub.update(num_experts=8, num_shared_experts=1, use_qkv_bias=True)
+    args = model_args_from_config(hub)
+    assert args == model_args_from_config(named)
+    assert args.num_experts == 8 and args.attention_bias and not args.attention_out_bias
+
+
 def test_hunyuan_classic_rope_scaling_is_ntk_alpha():
     """transformers 4 / hub spelling: rope_scaling {"type": "dynamic", "alpha"} and rope_theta;
     the base becomes theta * alpha^(d / (d - 2))."""
