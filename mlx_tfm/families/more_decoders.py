@@ -166,6 +166,35 @@ def hunyuan_v1_dense_args(config: dict) -> dict:
     }
 
 
+def opt_args(config: dict) -> dict:
+    """OPT: learned positions read two rows on (the table has two more), ReLU MLP, LayerNorm,
+    biases by ``enable_bias``; pre-norm, or post-norm without a final norm
+    (``do_layer_norm_before`` false)."""
+    D = config["hidden_size"]
+    if config.get("word_embed_proj_dim") not in (None, D):
+        raise UserError("opt with word_embed_proj_dim other than hidden_size (project_in/out) is not supported")
+    if not config.get("layer_norm_elementwise_affine", True):
+        raise UserError("opt with layer_norm_elementwise_affine false is not supported")
+    pre = config.get("do_layer_norm_before", True)
+    bias = config.get("enable_bias", True)
+    return {
+        **config,
+        "intermediate_size": config["ffn_dim"],
+        "norm_type": "layernorm",
+        "norm_placement": "pre" if pre else "post",
+        "final_norm": pre and not config.get("_remove_final_layer_norm", False),
+        "hidden_act": activation(config.get("activation_function", "relu")),
+        "ffn_gated": False,
+        "mlp_bias": bias,
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "position_embedding": "learned",
+        "position_offset": 2,  # OPTLearnedPositionalEmbedding
+        "max_position_embeddings": config.get("max_position_embeddings", 2048) + 2,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
+
+
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
@@ -217,6 +246,17 @@ EXAONE_RENAMES = (
     (r"transformer\.h\.(\d+)\.mlp\.c_proj\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
 )
 VAULTGEMMA_RENAMES = ((r"(.*)\.pre_feedforward_layernorm\.(.*)", r"\1.post_attention_layernorm.\2"),)
+OPT_RENAMES = (
+    (r"model\.decoder\.embed_tokens\.(.*)", r"model.embed_tokens.\1"),
+    (r"model\.decoder\.embed_positions\.(.*)", r"model.embed_positions.\1"),
+    (r"model\.decoder\.final_layer_norm\.(.*)", r"model.norm.\1"),
+    (r"model\.decoder\.layers\.(\d+)\.self_attn\.out_proj\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"model\.decoder\.layers\.(\d+)\.self_attn_layer_norm\.(.*)", r"model.layers.\1.input_layernorm.\2"),
+    (r"model\.decoder\.layers\.(\d+)\.final_layer_norm\.(.*)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"model\.decoder\.layers\.(\d+)\.fc1\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"model\.decoder\.layers\.(\d+)\.fc2\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+    (r"model\.decoder\.layers\.(.*)", r"model.layers.\1"),
+)
 HUNYUAN_RENAMES = (
     (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
     (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
@@ -230,6 +270,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "internlm3": Architecture(args=internlm3_args),
     "iquestcoder": Architecture(args=iquestcoder_args),
     "cwm": Architecture(args=cwm_args),
+    "opt": Architecture(args=opt_args, renames=OPT_RENAMES),
     "glm": Architecture(args=glm_args, rewrite=phi3_rewrite),  # gate_up_proj fused on disk, as mlx-lm's glm
     "vaultgemma": Architecture(args=vaultgemma_args, renames=VAULTGEMMA_RENAMES),
     "exaone": Architecture(args=exaone_args, renames=EXAONE_RENAMES),  # on disk in its own names, as mlx-lm reads

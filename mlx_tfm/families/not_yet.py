@@ -64,7 +64,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "gptj": ("dense", "GPT-J's parallel block with interleaved partial RoPE (its table entry)"),
     "codegen": ("dense", "GPT-J's block with CodeGen's fused qkv order"),
     "gpt_neox_japanese": ("dense", "its own fused attention layout and biases"),
-    "opt": ("dense", "learned positions offset by 2, ReLU; its table entry"),
     "openai-gpt": ("dense", "post-norm GPT-1 (no final norm); its table entry"),
     "ctrl": ("dense", "sinusoidal positions scaled embeddings; its table entry"),
     "xglm": ("dense", "sinusoidal positions offset by 2; its table entry"),

@@ -72,6 +72,8 @@ def test_hunyuan_classic_rope_scaling_is_ntk_alpha():
     ("hunyuan_v1_moe", {"moe_topk": [1, 2]}, "a different moe_topk per layer"),
     ("gpt_bigcode", {"scale_attn_weights": False}, "scale_attn_weights false"),
     ("mistral3", {"text_config": {"model_type": "mistral4"}}, "mistral3 with a 'mistral4' text model"),
+    ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim other than hidden_size"),
+    ("opt", {"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine false"),
 ])
 def test_unsupported_options_are_named(model_type, keys, message):
     with pytest.raises(UserError, match=message):
