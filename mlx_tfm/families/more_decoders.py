@@ -195,6 +195,32 @@ def opt_args(config: dict) -> dict:
     }
 
 
+def gptj_args(config: dict) -> dict:
+    """GPT-J: attention and MLP side by side on one LayerNorm, RoPE over adjacent pairs of
+    the first ``rotary_dim`` dims of each head, no attention biases, a biased head."""
+    D, n_heads = config["n_embd"], config["n_head"]
+    rotary_dim = config.get("rotary_dim") or D // n_heads
+    return {
+        "model_type": "gptj",
+        "vocab_size": config["vocab_size"],
+        "hidden_size": D,
+        "num_hidden_layers": config["n_layer"],
+        "num_attention_heads": n_heads,
+        "intermediate_size": config.get("n_inner") or 4 * D,
+        "norm_type": "layernorm",
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "norm_placement": "parallel",
+        "hidden_act": activation(config.get("activation_function", "gelu_new")),
+        "ffn_gated": False,
+        "mlp_bias": True,
+        "lm_head_bias": True,
+        "rope_traditional": True,
+        "partial_rotary_factor": rotary_dim / (D // n_heads),
+        "max_position_embeddings": config.get("n_positions", 2048),
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
@@ -257,10 +283,20 @@ OPT_RENAMES = (
     (r"model\.decoder\.layers\.(\d+)\.fc2\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
     (r"model\.decoder\.layers\.(.*)", r"model.layers.\1"),
 )
+GPTJ_RENAMES = (
+    (r"transformer\.wte\.(.*)", r"model.embed_tokens.\1"),
+    (r"transformer\.ln_f\.(.*)", r"model.norm.\1"),
+    (r"transformer\.h\.(\d+)\.ln_1\.(.*)", r"model.layers.\1.input_layernorm.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.out_proj\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"transformer\.h\.(\d+)\.attn\.(q_proj|k_proj|v_proj)\.(.*)", r"model.layers.\1.self_attn.\2.\3"),
+    (r"transformer\.h\.(\d+)\.mlp\.fc_in\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"transformer\.h\.(\d+)\.mlp\.fc_out\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+)
 HUNYUAN_RENAMES = (
     (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
     (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
 )
+# causal-mask buffers older exports carry
 GPT_BIGCODE_DROPS = COMMON_DROPS + (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
 
 
@@ -270,6 +306,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "internlm3": Architecture(args=internlm3_args),
     "iquestcoder": Architecture(args=iquestcoder_args),
     "cwm": Architecture(args=cwm_args),
+    "gptj": Architecture(args=gptj_args, renames=GPTJ_RENAMES, drops=GPT_BIGCODE_DROPS),  # on disk in its own names
     "opt": Architecture(args=opt_args, renames=OPT_RENAMES),
     "glm": Architecture(args=glm_args, rewrite=phi3_rewrite),  # gate_up_proj fused on disk, as mlx-lm's glm
     "vaultgemma": Architecture(args=vaultgemma_args, renames=VAULTGEMMA_RENAMES),

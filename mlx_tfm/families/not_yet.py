@@ -61,7 +61,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "bloom": ("dense", "ALiBi positions"), "mpt": ("dense", "ALiBi positions"),
     "falcon": ("dense", "parallel attention with its own fused QKV layout, ALiBi in some checkpoints"),
     "gpt_neo": ("dense", "local attention layers without the 1/sqrt(head_dim) scale"),
-    "gptj": ("dense", "GPT-J's parallel block with interleaved partial RoPE (its table entry)"),
     "codegen": ("dense", "GPT-J's block with CodeGen's fused qkv order"),
     "gpt_neox_japanese": ("dense", "its own fused attention layout and biases"),
     "openai-gpt": ("dense", "post-norm GPT-1 (no final norm); its table entry"),
