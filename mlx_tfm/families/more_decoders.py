@@ -179,6 +179,7 @@ def opt_args(config: dict) -> dict:
     bias = config.get("enable_bias", True)
     return {
         **config,
+        "num_key_value_heads": config["num_attention_heads"],  # multi-head: one key/value head per query head
         "intermediate_size": config["ffn_dim"],
         "norm_type": "layernorm",
         "norm_placement": "pre" if pre else "post",
@@ -218,6 +219,18 @@ def gptj_args(config: dict) -> dict:
         "partial_rotary_factor": rotary_dim / (D // n_heads),
         "max_position_embeddings": config.get("n_positions", 2048),
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+def biogpt_args(config: dict) -> dict:
+    """BioGPT: OPT's learned positions two rows on, embeddings times sqrt(hidden_size),
+    pre-norm LayerNorms at torch's default epsilon (transformers never passes the config's)."""
+    act = config.get("hidden_act", "gelu")
+    return {
+        **opt_args({**config, "ffn_dim": config["intermediate_size"], "activation_function": act}),
+        "norm_eps": 1e-5,
+        "embedding_scale": config["hidden_size"] ** 0.5 if config.get("scale_embedding", True) else None,
+        "max_position_embeddings": config.get("max_position_embeddings", 1024) + 2,
     }
 
 
@@ -292,6 +305,19 @@ GPTJ_RENAMES = (
     (r"transformer\.h\.(\d+)\.mlp\.fc_in\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"transformer\.h\.(\d+)\.mlp\.fc_out\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
 )
+# BioGPT: OPT's layer names under ``biogpt.``, the tied head named output_projection.
+BIOGPT_RENAMES = (
+    (r"output_projection\.weight", None),
+    (r"biogpt\.layer_norm\.(.*)", r"model.norm.\1"),
+    (r"biogpt\.embed_tokens\.(.*)", r"model.embed_tokens.\1"),
+    (r"biogpt\.embed_positions\.(.*)", r"model.embed_positions.\1"),
+    (r"biogpt\.layers\.(\d+)\.self_attn\.out_proj\.(.*)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"biogpt\.layers\.(\d+)\.self_attn_layer_norm\.(.*)", r"model.layers.\1.input_layernorm.\2"),
+    (r"biogpt\.layers\.(\d+)\.final_layer_norm\.(.*)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"biogpt\.layers\.(\d+)\.fc1\.(.*)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"biogpt\.layers\.(\d+)\.fc2\.(.*)", r"model.layers.\1.mlp.down_proj.\2"),
+    (r"biogpt\.layers\.(.*)", r"model.layers.\1"),
+)
 HUNYUAN_RENAMES = (
     (r"(.*)\.self_attn\.query_layernorm\.(.*)", r"\1.self_attn.q_norm.\2"),
     (r"(.*)\.self_attn\.key_layernorm\.(.*)", r"\1.self_attn.k_norm.\2"),
@@ -308,6 +334,7 @@ MORE_DECODERS: dict[str, Architecture] = {
     "cwm": Architecture(args=cwm_args),
     "gptj": Architecture(args=gptj_args, renames=GPTJ_RENAMES, drops=GPT_BIGCODE_DROPS),  # on disk in its own names
     "opt": Architecture(args=opt_args, renames=OPT_RENAMES),
+    "biogpt": Architecture(args=biogpt_args, renames=BIOGPT_RENAMES),
     "glm": Architecture(args=glm_args, rewrite=phi3_rewrite),  # gate_up_proj fused on disk, as mlx-lm's glm
     "vaultgemma": Architecture(args=vaultgemma_args, renames=VAULTGEMMA_RENAMES),
     "exaone": Architecture(args=exaone_args, renames=EXAONE_RENAMES),  # on disk in its own names, as mlx-lm reads

@@ -66,7 +66,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "openai-gpt": ("dense", "post-norm GPT-1 (no final norm); its table entry"),
     "ctrl": ("dense", "sinusoidal positions scaled embeddings; its table entry"),
     "xglm": ("dense", "sinusoidal positions offset by 2; its table entry"),
-    "biogpt": ("dense", "learned positions offset by 2, scaled embeddings; its table entry"),
     "cpmant": ("dense", "relative position buckets in a decoder"),
     "persimmon": ("dense", "q/k LayerNorm with partial RoPE and squared ReLU; its table entry"),
     "diffllama": ("dense", "differential attention (two softmaxes subtracted)"),

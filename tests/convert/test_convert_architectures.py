@@ -61,7 +61,7 @@ MLX_LM_DIFFERS = {
     "ernie4_5_moe": (0.3, "mlx-lm drops the router's e_score_correction_bias, so some positions choose other experts"),
 }
 MLX_LM_LACKS = ("arcee", "ministral", "hunyuan_v1_moe", "granitemoeshared", "cwm", "vaultgemma",
-                "flex_olmo", "sarvam_moe", "opt")  # model_types mlx-lm 0.32 has no model file for
+                "flex_olmo", "sarvam_moe", "opt", "biogpt")  # model_types mlx-lm 0.32 has no model file for
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS if TINY_CONFIGS[name].get("model_type", name) not in MLX_LM_LACKS)
 
 
