@@ -254,16 +254,46 @@ def deepseek2_keys(get, base: dict, tensors: dict) -> dict:
         "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
         "rope_interleave": True,  # llama.cpp's deepseek2 rotates adjacent pairs, as the checkpoints
     }
+
+
 # -- GLM-4 (llama4 branch): llama.cpp keeps the fused gate_up_proj as ffn_up, q/k rows as
 # they are (its GLM-4 rotates adjacent pairs too), and names GLM-4's four norms apart.
 GLM4_NAMES = EMBEDDING_AND_HEAD + ATTENTION + (
     per_layer("attn_norm", "input_layernorm"), per_layer("ffn_norm", "post_attention_layernorm"),
     per_layer("post_attention_norm", "post_self_attn_layernorm"), per_layer("post_ffw_norm", "post_mlp_layernorm"),
     per_layer("ffn_up", "mlp.gate_up_proj"), per_layer("ffn_down", "mlp.down_proj"))
+
+
 def glm4_keys(get, base: dict, tensors: dict) -> dict:
     """Glm4Model writes the rotated dims of each head (half of it by default)."""
     rotary = get("rope.dimension_count", base["head_dim"] // 2)
     return {"partial_rotary_factor": int(rotary) / base["head_dim"], "attention_bias": "blk.0.attn_q.bias" in tensors}
+
+
+# -- more families (mlx_tfm/families/more_decoders.py) --
+UNGATED_PRE_NORM_NAMES = EMBEDDING_AND_HEAD + ATTENTION + PRE_NORMS + (
+    per_layer("ffn_up", "mlp.up_proj"), per_layer("ffn_down", "mlp.down_proj"))
+
+
+def ernie4_5_keys(get, base: dict, tensors: dict) -> dict:
+    return {"use_bias": "blk.0.attn_q.bias" in tensors}
+
+
+def nemotron_keys(get, base: dict, tensors: dict) -> dict:
+    """NemotronModel writes the rotated dims of a head and LayerNorm1P's weights plus 1
+    (llama.cpp's plain LayerNorm then computes the same)."""
+    rotary = get("rope.dimension_count", base["head_dim"])
+    return {
+        "partial_rotary_factor": int(rotary) / base["head_dim"],
+        "norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "hidden_act": "relu2",
+    }
+
+
+def hunyuan_dense_keys(get, base: dict, tensors: dict) -> dict:
+    """HunYuanModel folds NTK-alpha into the base it writes (no scaling type): a plain base
+    here; q/k norm after RoPE is the family's own."""
+    return {"use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
 @dataclass(frozen=True)
@@ -289,6 +319,11 @@ GGUF_ARCHITECTURES = {
     "phi2": GGUFArchitecture("phi", "PhiForCausalLM", PHI2_NAMES, phi2_keys),
     "deepseek2": GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_NAMES, deepseek2_keys),
     "glm4": GGUFArchitecture("glm4", "Glm4ForCausalLM", GLM4_NAMES, glm4_keys),
+    # -- more families --
+    "ernie4_5": GGUFArchitecture("ernie4_5", "Ernie4_5ForCausalLM", config=ernie4_5_keys),  # RoPE over pairs: unpermuted
+    "nemotron": GGUFArchitecture("nemotron", "NemotronForCausalLM", UNGATED_PRE_NORM_NAMES, nemotron_keys,
+                                 norm_shift=1.0),
+    "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
 }
 
 
@@ -542,7 +577,7 @@ def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
                 weights[name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx_quantized(kind, data)
                 continue
             weights[name] = decode_float(t, data)
-            if shift and name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
+            if shift and name.endswith("norm.weight"):  # Gemma, Nemotron scale by (1 + w); llama.cpp stores 1 + w
                 weights[name] = weights[name] - shift
     quantization = {"group_size": GROUP_SIZE, "bits": EXACT_TYPES[exact]} if exact else None
     return weights, quantization

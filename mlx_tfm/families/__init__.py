@@ -16,6 +16,7 @@ Two layouts matter for a checkpoint:
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from ..errors import UserError
@@ -29,20 +30,33 @@ from .gemma4 import GEMMA4
 from .hybrids import HYBRIDS
 from .latent import LATENT
 from .llama4 import LLAMA4
+from .more_decoders import MORE_DECODERS
+from .more_mixtures import MORE_MIXTURES
+from .not_yet import NOT_YET
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
-    **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4, **GEMMA4,
+    **DECODERS, **MIXTURES, **ENCODERS, **MORE_DECODERS, **MORE_MIXTURES, **GEMMA4, **LLAMA4,
+    **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT,
 }
 
 
 def architecture_for(config: dict) -> Architecture:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
-        raise UserError(f"unknown model_type {model_type!r}; supported: {supported}")
+        raise UserError(unknown_model_type_message(model_type))
     return ARCHITECTURES[model_type]
+
+
+def unknown_model_type_message(model_type) -> str:
+    """One line: the type (with what is missing, for a family we know of), the supported
+    families nearest in spelling (a typo, or a sibling such as qwen3 for qwen3_vl), then
+    every supported one."""
+    known = f" (not built yet: {NOT_YET[model_type][1]})" if model_type in NOT_YET else ""
+    nearest = difflib.get_close_matches(str(model_type), ARCHITECTURES, n=3, cutoff=0.6)
+    closest = f"closest: {', '.join(nearest)}; " if nearest else ""
+    return f"unknown model_type {model_type!r}{known}; {closest}supported: {', '.join(sorted(ARCHITECTURES))}"
 
 
 def model_args_from_config(config: dict) -> ModelArgs:

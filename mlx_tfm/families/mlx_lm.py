@@ -16,6 +16,8 @@ from .state_space import STATE_SPACE_MLX_LM_KEYS
 MLX_LM_CONFIG_ALIASES = {
     "gpt2": {"n_ctx": "n_positions"},
     "qwen3_moe": {"num_experts": "num_local_experts"},
+    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps"},  # the hub's spelling, which mlx-lm reads
 }
 
 
@@ -55,6 +57,8 @@ def gpt_neox_mlx_lm_keys(config: dict) -> dict:
     params = config.get("rope_parameters") or {}
     return {"rotary_emb_base": config.get("rotary_emb_base", params.get("rope_theta", 10000.0)),
             "rotary_pct": config.get("rotary_pct", params.get("partial_rotary_factor", 0.25))}
+
+
 # Keys whose default in mlx-lm's gemma4_text differs from transformers' (a hub config may
 # leave them out): transformers' value, when the config has none.
 GEMMA4_MLX_LM_DEFAULTS = {"num_kv_shared_layers": 0, "use_double_wide_mlp": False, "final_logit_softcapping": None,
@@ -82,6 +86,22 @@ def gemma4_mlx_lm_keys(config: dict) -> dict:
     return {"vocab_size": vocab_size, "text_config": {**text, **gemma4_text_mlx_lm_keys(text)}}
 
 
+def hunyuan_rope_scaling(config: dict) -> dict | None:
+    """mlx-lm's hunyuan_v1_dense wants rope_scaling with alpha, factor and ``type``."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not scaling.get("alpha"):
+        return None
+    return {"alpha": scaling["alpha"], "factor": scaling.get("factor", 1.0), "type": "dynamic"}
+
+
+def minimax_m2_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's minimax (which runs minimax_m2) requires rotary_dim, and the size of a shared
+    expert M2 does not have (0, as its hub configs say)."""
+    partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return {"rotary_dim": config.get("rotary_dim") or int(config["head_dim"] * partial),
+            "shared_intermediate_size": config.get("shared_intermediate_size", 0)}
+
+
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
@@ -98,6 +118,15 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "apertus": lambda config: {"mlp_bias": config.get("mlp_bias", False), "post_norm": False, "qk_norm": True},
     "gemma4_text": gemma4_text_mlx_lm_keys,
     "gemma4": gemma4_mlx_lm_keys,
+    # mlx-lm's mistral3 ties the head by text_config's key, transformers by the top-level one
+    "mistral3": lambda config: {"text_config": {**config["text_config"],
+                                                "tie_word_embeddings": config.get("tie_word_embeddings", True)}},
+    "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
+    "minimax_m2": minimax_m2_mlx_lm_keys,
+    "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
+        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],
+    },
 }
 
 

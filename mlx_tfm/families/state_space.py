@@ -74,8 +74,6 @@ def mamba2_args(config: dict) -> dict:
     }
 
 
-
-
 def mamba_args(config: dict) -> dict:
     """Mamba-1: every block a pre-norm Mamba-1 mixer (selective scan, layer type "mamba1")."""
     if config.get("hidden_act", "silu") not in ("silu", "swish"):

@@ -32,7 +32,7 @@ from .config import ModelArgs
 from .kv_sharing import SharedKV, first_shared_layer
 from .layers import RMSNorm
 from .local_attention import l2_norm, temperature_scales
-from .positions import make_rope
+from .positions import make_rope, position_ids
 
 
 def softcapped_attention(queries, keys, values, scale: float, mask, cap: float) -> mx.array:
@@ -131,6 +131,15 @@ def attention(queries, keys, values, scale: float, mask=None, softcap: float | N
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
+def query_position_scale(offset, length: int, beta: float, period: int) -> mx.array:
+    """Ministral 3's query temperature, ``1 + beta * log(1 + floor(position / period))``:
+    (L, 1) after a scalar offset, (B, 1, L, 1) after per-row offsets, to scale queries
+    (B, n_heads, L, head_dim)."""
+    positions = position_ids(offset, length).astype(mx.float32)  # (L,) or (B, L)
+    scale = 1 + beta * mx.log(1 + mx.floor(positions / period))
+    return scale[:, None] if scale.ndim == 1 else scale[:, None, :, None]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -174,6 +183,10 @@ class Attention(nn.Module):
         # Llama 4: an L2 q/k norm on the rotating layers, a temperature on the others
         self.l2_eps = args.norm_eps if args.qk_l2_norm and rotates else None
         self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not rotates else None
+        self.query_scale = (args.query_position_scale_beta, args.query_position_scale_period)
+        if args.qk_norm_after_rope and self.qk_norm_scope != "head":
+            raise ValueError("qk_norm_after_rope needs qk_norm over each head")
+        self.qk_norm_after_rope = args.qk_norm_after_rope
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if isinstance(cache, CrossAttentionCache):
@@ -188,6 +201,8 @@ class Attention(nn.Module):
         else:
             ready = self._decoding_heads(x, offset) if L == 1 else None
             queries, keys, values = ready or self._heads(x, offset)
+        if self.query_scale[0]:
+            queries = queries * query_position_scale(offset, L, *self.query_scale).astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
@@ -237,7 +252,7 @@ class Attention(nn.Module):
         queries = queries.reshape(B, L, self.n_heads, self.head_dim)
         keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim)
         values = values.reshape(B, L, self.n_kv_heads, self.head_dim)
-        if self.qk_norm_scope == "head":
+        if self.qk_norm_scope == "head" and not self.qk_norm_after_rope:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         if self.value_norm_eps is not None:  # Gemma 4: RMS norm of each value head, no scale
             values = mx.fast.rms_norm(values, None, self.value_norm_eps)
@@ -249,6 +264,8 @@ class Attention(nn.Module):
             queries, keys = l2_norm(queries, self.l2_eps), l2_norm(keys, self.l2_eps)
         if self.temperature is not None:
             queries = queries * temperature_scales(offset, L, *self.temperature).astype(queries.dtype)
+        if self.qk_norm_after_rope:  # HunYuan
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 
     def _projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:

@@ -26,7 +26,7 @@ class ModelArgs:
     norm_type: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
-    norm_weight_offset: float = 0.0  # Gemma scales by (1 + weight)
+    norm_weight_offset: float = 0.0  # Gemma (RMSNorm), Nemotron (LayerNorm) scale by (1 + weight)
     # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2: each sublayer's input and
     # output) | "post_sublayer" (OLMo 2: only each sublayer's output) | "parallel" (Phi-2,
     # Cohere: attention and MLP both read one norm of x and both add to x) | "parallel_two_norms"
@@ -70,7 +70,7 @@ class ModelArgs:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # 0: derived (= intermediate_size)
-    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" (experts.route)
+    router_scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid" | "sparsemixer" (experts.route)
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
     router_bias: bool = False  # gpt-oss: the router has a bias
     routed_scaling_factor: float = 1.0  # sigmoid routers: weights times this
@@ -111,6 +111,19 @@ class ModelArgs:
     classifier_pooling: str = "cls"  # "cls" | "mean"
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
+    # -- more families (mlx_tfm/families/more_*.py) --
+    # ERNIE 4.5 MoE: a softmax router whose choice (not its weights) adds the learned
+    # per-expert e_score_correction_bias, as sigmoid routers always do
+    router_choice_bias: bool = False
+    # PhiMoE's sparsemixer router (router_scoring "sparsemixer"): the relative band of logits
+    # near each chosen expert that its weight's softmax runs over
+    router_jitter_eps: float = 0.01
+    # Ministral 3 (Llama 4's attention temperature): queries after RoPE times
+    # 1 + beta * log(1 + floor(position / period)); 0 = off
+    query_position_scale_beta: float = 0.0
+    query_position_scale_period: int = 0
+    # HunYuan: q/k norm (per head) after RoPE instead of before
+    qk_norm_after_rope: bool = False
 
     # Mamba-2 (SSD) token mixers, layer type "mamba" (model/mamba.py, model/ssd.py), and blocks
     # with one sublayer (Mamba-2's mixer-only blocks; Nemotron-H's mixer-only and MLP-only ones)

@@ -19,7 +19,10 @@ Routers (``ModelArgs.router_scoring``):
 - ``sigmoid``: sigmoid scores; the choice adds a learned per-expert bias
   (``e_score_correction_bias``) and may first keep the best ``topk_group`` of ``n_group``
   expert groups; the weights are the unbiased scores, optionally renormalised, times
-  ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5).
+  ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5). ``router_choice_bias`` adds the same
+  bias to a softmax router's choice (ERNIE 4.5 MoE).
+- ``sparsemixer``: PhiMoE's: k rounds of the best untaken expert, each weighted by its
+  softmax within a band of logits near it (``router_jitter_eps``).
 Experts whose scores tie are taken in index order (lower index first).
 
 This file holds only math, like ``model.py``, which builds these blocks (and passes in the
@@ -44,7 +47,7 @@ from ..cpu import on_cpu
 if TYPE_CHECKING:
     from .config import ModelArgs
 
-ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid")
+ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid", "sparsemixer")
 # From this many (position, expert) pairs on, the pairs are sorted by expert first (as mlx-lm).
 SORT_FROM_PAIRS = 64
 
@@ -71,10 +74,30 @@ def limit_to_groups(choice: mx.array, n_group: int, topk_group: int) -> mx.array
     return mx.where(mx.repeat(keep, E // n_group, axis=-1), choice, -mx.inf)
 
 
+def sparsemixer(logits: mx.array, k: int, jitter_eps: float) -> tuple[mx.array, mx.array]:
+    """PhiMoE's router at inference: k rounds, each taking the best expert not yet taken;
+    its weight is its softmax among the untaken experts whose logit lies within a relative
+    band of ``2 * jitter_eps`` of it (|logit| floored at the best one's, as the scale).
+    (..., E) -> (indices (..., k) uint32, weights (..., k) float32)"""
+    untaken = logits
+    indices, weights = [], []
+    for _ in range(k):
+        best = untaken.max(axis=-1, keepdims=True)  # (..., 1)
+        index = mx.argmax(untaken, axis=-1, keepdims=True)
+        outside = (best - logits) / mx.maximum(mx.abs(logits), best) > 2 * jitter_eps
+        band = mx.softmax(mx.where(outside, -mx.inf, untaken), axis=-1, precise=True)
+        indices.append(index)
+        weights.append(mx.take_along_axis(band, index, axis=-1))
+        untaken = mx.put_along_axis(untaken, index, mx.array(-mx.inf, untaken.dtype), axis=-1)
+    return mx.stop_gradient(mx.concatenate(indices, axis=-1)).astype(mx.uint32), mx.concatenate(weights, axis=-1)
+
+
 def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Router logits (..., E) -> (indices (..., k) uint32, weights (..., k) float32)."""
     k = args.num_experts_per_tok
     logits = logits.astype(mx.float32)
+    if args.router_scoring == "sparsemixer":
+        return sparsemixer(logits, k, args.router_jitter_eps)
     if args.router_scoring == "topk_softmax":
         indices = top_k_indices(logits, k)
         return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
@@ -83,7 +106,7 @@ def route(logits: mx.array, args: "ModelArgs", score_bias: mx.array | None = Non
         return indices, mx.sigmoid(mx.take_along_axis(logits, indices, axis=-1))
     if args.router_scoring == "softmax":
         scores = mx.softmax(logits, axis=-1, precise=True)
-        choice = scores
+        choice = scores + score_bias.astype(mx.float32) if args.router_choice_bias else scores
     else:  # sigmoid
         scores = mx.sigmoid(logits)
         choice = scores + score_bias.astype(mx.float32)
@@ -245,7 +268,7 @@ class SparseMoeBlock(nn.Module):
         self.args = args
         D, E = args.hidden_size, args.num_experts
         self.gate = nn.Linear(D, E, bias=args.router_bias)
-        if args.router_scoring == "sigmoid":
+        if args.router_scoring == "sigmoid" or args.router_choice_bias:
             self.e_score_correction_bias = mx.zeros((E,))
         self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, E, activation, bias=args.expert_bias)
         if shared_expert is not None:

@@ -41,10 +41,27 @@ class RMSNorm(nn.Module):
         return fused_rms_norm(x, weight, self.eps)
 
 
+class OffsetLayerNorm(nn.Module):
+    """LayerNorm scaling by (weight + offset): Nemotron's LayerNorm1P stores weight - 1."""
+
+    def __init__(self, dims: int, eps: float, bias: bool, weight_offset: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        if bias:
+            self.bias = mx.zeros((dims,))
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.layer_norm(x, self.weight + self.weight_offset, self.get("bias"), self.eps)
+
+
 def make_norm(args: ModelArgs, dims: int | None = None) -> nn.Module:
     dims = dims or args.hidden_size
     if args.norm_type == "rmsnorm":
         return RMSNorm(dims, args.norm_eps, args.norm_weight_offset)
+    if args.norm_type == "layernorm" and args.norm_weight_offset:
+        return OffsetLayerNorm(dims, args.norm_eps, args.norm_bias, args.norm_weight_offset)
     if args.norm_type == "layernorm":
         return nn.LayerNorm(dims, eps=args.norm_eps, bias=args.norm_bias)
     raise ValueError(f"unknown norm_type {args.norm_type!r} (rmsnorm, layernorm)")

@@ -36,6 +36,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+
 class Tokenizer:
     """Encode, decode, stream-decode and render chat templates for one model.
 

@@ -17,6 +17,7 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.tokenizer import load_tokenizer
 from fixtures.model_folders import CHAT_TEMPLATE, with_chat_template
 
+
 @pytest.fixture(scope="module")
 def chat_folder(stories_hf, tmp_path_factory):
     return with_chat_template(stories_hf, tmp_path_factory.mktemp("chat") / "model")

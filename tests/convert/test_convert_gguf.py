@@ -198,6 +198,10 @@ LLAMA_CPP_CASES = {
     "granite": ({}, "refact"),
     "smollm3": (dict(no_rope_layer_interval=4), "llama-bpe"),
     "phi": (dict(num_key_value_heads=4), "phi-2"),  # Phi2Model writes head_count_kv = head_count
+    # -- more families --
+    "ernie4_5": ({}, "llama-bpe"),
+    "nemotron": ({}, "gpt-2"),  # LayerNorm1P's weights stored plus 1, half of each head rotated
+    "hunyuan_v1_dense": ({}, "llama-bpe"),  # NTK-alpha folded into the base
 }
 # transformers' GGUF reader as a second reference where it reads the file right (for Gemma 3
 # it drops the rope scaling and query_pre_attn_scalar, for Qwen 3 the head size).

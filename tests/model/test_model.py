@@ -15,6 +15,7 @@ from mlx_tfm.model.config import ModelArgs
 
 from fixtures.variants import BASE, TOKENS, VARIANTS, build, decode_in_pieces
 
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_every_variant_runs_forward(variant, dtype):

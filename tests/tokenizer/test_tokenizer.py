@@ -14,6 +14,7 @@ from fixtures.tokenizer_folders import byte_level_folder
 
 MIXED_TEXT = "Once upon a time 你好, 世界! Emoji: 🙂🚀 and café — naïve 日本語."
 
+
 def stream(tokenizer, ids):
     """Feed ids one by one; return the segments read after each token and at the end."""
     detokenizer = tokenizer.detokenizer
