@@ -25,6 +25,7 @@ from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
 from .metrics import RequestCounter, prometheus_text
 from .ollama_api import OLLAMA_ROUTES
+from .responses_api import RESPONSES_ROUTES
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_tfm.server")
@@ -223,6 +224,7 @@ ROUTES = (
     ("/health", "GET", health, ("",)),
     ("/metrics", "GET", metrics, ("",)),
 ) + OLLAMA_ROUTES + ANTHROPIC_ROUTES  # Ollama's /api/... and Anthropic's /v1/messages beside OpenAI's
+ROUTES += RESPONSES_ROUTES  # OpenAI's Responses API (/v1/responses)
 
 
 def build_app(state: ServerState) -> Starlette:
