@@ -21,7 +21,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from fixtures.responses_spec import check_event, check_response
+from fixtures.responses_spec import check_event, check_response, nullable_as_any_of
 from fixtures.scripted_server import ScriptedServer, scripted_tokenizer_folder
 from fixtures.server_models import TOOL_CHAT_TEMPLATE
 from fixtures.server_process import served
@@ -93,6 +93,13 @@ def streamed(scripted, model: str = MODEL, **body) -> list[dict]:
                 events.append(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
+
+
+def test_the_spec_loader_reads_nullable_as_a_null_branch():
+    """OpenAPI 3.0's nullable, as JSON Schema 2020-12 reads it (SOURCES.md), at any depth."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "nullable": True}}}
+    assert nullable_as_any_of(schema) == {"type": "object", "properties": {
+        "name": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
 
 
 # -- responses --------------------------------------------------------------------------------------
