@@ -26,7 +26,7 @@ from fixtures.scripted_server import ScriptedServer, scripted_tokenizer_folder
 from fixtures.server_models import TOOL_CHAT_TEMPLATE
 from fixtures.server_process import served
 from mlx_tfm.server.errors import APIError
-from mlx_tfm.server.responses_api import ResponseStore
+from mlx_tfm.server.responses_api import ResponsesRequest, ResponseStore, Turn, error_event
 
 MODEL = "scripted-model"
 QUESTION = "What's the weather in Paris for the next 3 days?"
@@ -195,6 +195,18 @@ def test_function_call_round_trip(scripted, client, reference):
     assert scripted.engine.prompts[-1] == expected
 
 
+def test_previous_response_carries_the_conversation_not_the_instructions(scripted, client, reference):
+    """The earlier turns (a reasoning item among them) come back; the instructions do not (as OpenAI's spec says)."""
+    scripted.engine.script = ["Adding.", "\n</think>\n\n", "4"]
+    first = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", reasoning={"effort": "low"})
+    scripted.engine.script = ["5"]
+    second = client.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=first.id)
+    assert second.output_text == "5" and second.instructions is None
+    expected = reference_ids(reference, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "4"},
+                                         {"role": "user", "content": "And tomorrow?"}])
+    assert scripted.engine.prompts[-1] == expected
+
+
 def test_streamed_function_call(scripted):
     scripted.engine.script = [CALL[:30], CALL[30:]]
     events = streamed(scripted, input=QUESTION, tools=[WEATHER])
@@ -257,6 +269,16 @@ def test_the_store_keeps_the_last_responses():
 
 
 # -- errors ----------------------------------------------------------------------------------------------
+
+
+def test_a_failure_in_the_stream_is_the_specs_error_event():
+    turn = Turn(ResponsesRequest(input="hi"), MODEL, ResponseStore(), [])
+    turn.items.event("response.created", response=turn.response())
+    frame = error_event(turn, APIError(500, "the generation failed", code="generation_failed")).decode()
+    name, data = frame.split("\n")[:2]
+    event = json.loads(data.removeprefix("data: "))
+    check_event(event)
+    assert name == "event: error" and event["sequence_number"] == 1 and event["message"] == "the generation failed"
 
 
 def one_line_error(response: httpx.Response, status: int) -> dict:
