@@ -166,10 +166,11 @@ class ResponsesRequest(Lenient):
 def check_item(item, where: str) -> None:
     if isinstance(item, UnsupportedItem):
         raise invalid(f"{where}.type", f"input items of type {item.type!r} are not supported by this server")
-    parts = getattr(item, "content", None) or getattr(item, "output", None)
+    parts, field = (item.content, "content") if isinstance(item, MessageItem) else \
+        (item.output, "output") if isinstance(item, FunctionCallOutputItem) else ([], "")
     for j, part in enumerate(parts if isinstance(parts, list) else []):
         if isinstance(part, UnsupportedContent):
-            raise invalid(f"{where}.content.{j}.type", f"content of type {part.type!r} is not supported by this server")
+            raise invalid(f"{where}.{field}.{j}.type", f"content of type {part.type!r} is not supported by this server")
 
 
 # -- translation into a chat request -----------------------------------------------------------------
@@ -383,7 +384,8 @@ class OutputItems:
         return events + self.close()
 
 
-def json_copy(value: dict) -> dict:
+def json_copy(value):
+    """A deep copy of JSON data (an event must not change as its item goes on)."""
     return json.loads(json.dumps(value))
 
 
@@ -424,7 +426,7 @@ class Answer:
         request = self.request
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "completed_at": self.completed_at,
-            "status": self.status, "error": None, "model": self.model, "output": json_copy({"o": output})["o"],
+            "status": self.status, "error": None, "model": self.model, "output": json_copy(output),
             "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
@@ -453,11 +455,7 @@ def tool_choice_object(request: ResponsesRequest):
 
 def stored_items(output: list[dict]) -> list:
     """The output items as input items, for the next turn of a conversation."""
-    items = []
-    for item in output:
-        parsed = ResponsesRequest.model_validate({"input": [item]}).input
-        items += parsed
-    return items
+    return list(ResponsesRequest.model_validate({"input": output}).input)
 
 
 class Turn:
@@ -521,6 +519,7 @@ def prepared(serving, request: ResponsesRequest, history: list):
 
 
 async def create_response(http: HTTPRequest, context) -> Response:
+    """POST /v1/responses: the answer as a response object, or its typed events."""
     request = parse_body(await context.body(http), ResponsesRequest)
     serving = decoder_only(context.state.ready_serving())
     store = store_of(context)
@@ -536,10 +535,12 @@ async def create_response(http: HTTPRequest, context) -> Response:
 
 
 async def get_response(http: HTTPRequest, context) -> Response:
+    """GET /v1/responses/{id}: a kept response as it was sent."""
     return JSONResponse(store_of(context).get(http.path_params["response_id"])[0])
 
 
 async def delete_response(http: HTTPRequest, context) -> Response:
+    """DELETE /v1/responses/{id}: forget a kept response."""
     response_id = http.path_params["response_id"]
     store_of(context).delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
