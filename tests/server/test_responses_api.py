@@ -331,6 +331,11 @@ def test_greedy_text_and_incomplete_on_a_real_model(stories, stories_hf):
     check_response(response.model_dump(mode="json", exclude_unset=True))
     assert response.output_text == expected and response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens" and response.usage.output_tokens == 16
+    # the same prompt again: the prompt cache holds it (the cached tokens are part of the input, never all of it)
+    again = client.responses.create(model=stories_hf.name, input=chat[0]["content"], max_output_tokens=4,
+                                    temperature=0)
+    assert again.usage.input_tokens == response.usage.input_tokens
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
     events = streamed(stories, model=stories_hf.name, input=chat[0]["content"], max_output_tokens=16, temperature=0)
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == expected
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
