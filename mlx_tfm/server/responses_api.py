@@ -474,6 +474,9 @@ class Turn:
     def events(self, delta: Delta, event, choice) -> list[dict]:
         """The typed events of one engine event (the closing ones with the last)."""
         self.answer.count(delta, event)
+        if not self.request.parallel_tool_calls:  # one call at most: the model's later ones are dropped
+            calls = sum(item["type"] == "function_call" for item in self.items.items)
+            delta = Delta(delta.content, delta.reasoning, delta.tool_calls[:max(0, 1 - calls)])
         events = self.items.delta(delta)
         if event.finish_reason is not None:
             events += self.items.finish()

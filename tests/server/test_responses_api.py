@@ -218,6 +218,16 @@ def test_streamed_function_call(scripted):
     assert [item["type"] for item in final] == ["function_call"] and final[0]["status"] == "completed"
 
 
+def test_parallel_tool_calls_off_keeps_one_call(scripted, client):
+    second = CALL.replace("Paris", "London").replace("3", "1")
+    scripted.engine.script = [CALL, "\n", second]
+    both = client.responses.create(model=MODEL, input=QUESTION, tools=[WEATHER])
+    assert [json.loads(item.arguments)["city"] for item in both.output] == ["Paris", "London"]
+    one = client.responses.create(model=MODEL, input=QUESTION, tools=[WEATHER], parallel_tool_calls=False)
+    assert [json.loads(item.arguments)["city"] for item in one.output] == ["Paris"]
+    assert one.parallel_tool_calls is False
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_forced_function_call_follows_the_schema(scripted, tool_choice):
     """The grammar writes the call (the scripted engine answers it with random logits)."""
