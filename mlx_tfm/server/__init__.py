@@ -19,6 +19,7 @@ Modules, by job:
     completions   the two completion endpoints, streaming and not
     ollama_api    Ollama's API (/api/chat, /api/generate, tags, show, embed...) on the same machinery
     anthropic_api Anthropic's Messages API (/v1/messages, count_tokens) on the same machinery
+    responses_api OpenAI's Responses API (/v1/responses, kept responses by id) on the same machinery
     metrics       Prometheus text for /metrics
     page_route    the chat page for browsers at / (its files in page/), and /props for it
     app           the Starlette app: routes, API key, CORS, body limit, model loading

@@ -28,6 +28,7 @@ from .infill import infill
 from .metrics import RequestCounter, prometheus_text
 from .ollama_api import OLLAMA_ROUTES
 from .page_route import OPEN_PAGE_PATHS, PAGE_ROUTES
+from .responses_api import RESPONSES_ROUTES
 from .settings import ServerSettings
 
 log = logging.getLogger("mlx_tfm.server")
@@ -244,6 +245,7 @@ ROUTES = (
 # The chat page's GET / answers browsers with the page and other clients with Ollama's banner, so it takes
 # the place of Ollama's own GET /.
 ROUTES = PAGE_ROUTES + tuple(route for route in ROUTES if route[0] != "/")
+ROUTES += RESPONSES_ROUTES  # OpenAI's Responses API (/v1/responses)
 
 
 def build_app(state: ServerState) -> Starlette:
