@@ -21,5 +21,6 @@ Modules, by job:
     anthropic_api Anthropic's Messages API (/v1/messages, count_tokens) on the same machinery
     metrics       Prometheus text for /metrics
     app           the Starlette app: routes, API key, CORS, body limit, model loading
+    model_swap    --model-dir: the local models /v1/models lists, one loaded at a time, swapped on request
     serve         uvicorn with a clean Ctrl-C / SIGTERM
 """
