@@ -108,6 +108,8 @@ def test_convert_registers_its_output_and_load_stamps_last_use(machine, capsys, 
                      log=lambda *_: None)
     assert str(target.resolve()) in read_registry()["converted"]
     rows = list_rows(run_cli(capsys, "list")[1])
+    source_parameters = sum(w.size for w in mx.load(str(stories_hf / "model.safetensors")).values())
+    assert rows[str(target.resolve())][3] == f"{source_parameters / 1e3:.2f}K"  # packed weights counted unpacked
     assert rows[str(target.resolve())][4] == "4-bit, group 64" and rows[str(target.resolve())][6] == "never"
     load(target)
     assert str(target.resolve()) in read_registry()["last_used"]
