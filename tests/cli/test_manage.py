@@ -254,3 +254,10 @@ def test_ps_lists_what_the_server_holds(capsys):
     finally:
         server.shutdown()
     assert code == 0 and out.splitlines() == ["a  loaded", "b  available"]
+
+
+def test_loading_a_cached_hub_model_stamps_its_last_use(machine, capsys):
+    from mlx_tfm.loading import load
+
+    load(machine["snapshot"])
+    assert list_rows(run_cli(capsys, "list")[1])[REPO][6] != "never"

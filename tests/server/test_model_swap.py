@@ -147,3 +147,22 @@ def test_a_slow_load_answers_503_and_finishes_behind(model_dir, monkeypatch):
     while state.model_id != "beta" and time.monotonic() < deadline:
         time.sleep(0.01)
     assert state.model_id == "beta"
+
+
+def test_ps_shows_what_the_server_holds(server, capsys):
+    from mlx_tfm.cli import main
+
+    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    assert main(["ps", "--port", port]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(lines) == ["alpha  available", "beta  loaded"] or sorted(lines) == ["alpha  loaded", "beta  available"]
+    assert lines[0].endswith("loaded")  # the loaded model first
+
+
+def test_a_bad_model_dir_is_one_line(tmp_path, capsys):
+    from mlx_tfm.cli import main
+
+    assert main(["server", "--model-dir", str(tmp_path / "missing")]) == 1
+    assert capsys.readouterr().err == f"error: --model-dir {tmp_path / 'missing'} is not a folder\n"
+    assert main(["server", "--model-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: --model-dir {tmp_path} holds no model folder (config.json and weights)\n"
