@@ -4,6 +4,7 @@ two tiny local models; the swap's edges (draining the old model's requests, too 
 memory, a failed or slow load) run on ``ModelSwap`` with stand-in models."""
 
 import asyncio
+import json
 import shutil
 import threading
 import time
@@ -56,6 +57,31 @@ def test_a_request_for_another_local_model_swaps_it_in(server, golden, stories_h
                       json={"model": "alpha", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     assert back.status_code == 200 and back.json()["model"] == "alpha"
     assert listed(server)[0] == ("alpha", "loaded")
+
+
+def test_a_running_request_of_the_old_model_finishes_before_the_swap(server):
+    loaded, other = (name for name, _ in listed(server))
+    outcome, started = {}, threading.Event()
+
+    def stream_on_the_loaded_model():
+        with httpx.stream("POST", f"{server.url}/completions", timeout=120, json={
+                "model": loaded, "prompt": [1], "max_tokens": 400, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            chunks = []
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    started.set()
+        outcome["chunks"] = chunks
+
+    streaming = threading.Thread(target=stream_on_the_loaded_model)
+    streaming.start()
+    assert started.wait(60)
+    swap = httpx.post(f"{server.url}/completions", timeout=120, json={"model": other, "prompt": [1], "max_tokens": 2})
+    streaming.join(120)
+    assert swap.status_code == 200 and swap.json()["model"] == other
+    finishes = [c["choices"][0]["finish_reason"] for c in outcome["chunks"] if c["choices"]]
+    assert finishes[-1] == "length" and outcome["chunks"][-1]["usage"]["completion_tokens"] == 400
 
 
 def test_a_model_not_in_the_folder_is_still_404(server):
