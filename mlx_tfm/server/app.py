@@ -172,12 +172,14 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
 
 async def chat(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await chat_completions(decoder_only(await serving_named(context.state, body)), http, body)
+    async with serving_named(context.state, body) as serving:  # held until the rows are in its engine
+        return await chat_completions(decoder_only(serving), http, body)
 
 
 async def complete(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await completions(decoder_only(await serving_named(context.state, body)), http, body)
+    async with serving_named(context.state, body) as serving:  # held until the rows are in its engine
+        return await completions(decoder_only(serving), http, body)
 
 
 async def embed(http: HTTPRequest, context: AppContext):

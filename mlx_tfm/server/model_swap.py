@@ -13,6 +13,7 @@ refused with a 507 before anything is unloaded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -69,7 +70,13 @@ def requested_model(body: bytes) -> str | None:
 
 
 class ModelSwap:
-    """The switching part of a ``ServerState``: which local models there are, and the swap."""
+    """The switching part of a ``ServerState``: which local models there are, and the swap.
+
+    Every request holds a lease on the serving it was given until its rows are in the
+    engine (``lease``); a swap unloads a model only once its leases are returned and its
+    engine is idle (or ``DRAIN_SECONDS`` passed). Requests waiting for a swap are granted
+    their leases by the swap itself, so the next swap cannot unload the model under them
+    before they resume."""
 
     def __init__(self, state, model_dir: str | Path, loader, free_memory=free_memory_bytes):
         self.state = state
@@ -77,6 +84,10 @@ class ModelSwap:
         self.model_dir = Path(model_dir).expanduser()
         self.free_memory = free_memory
         self._lock = threading.Lock()  # one swap at a time
+        self._held = threading.Condition()  # guards the leases, the waiting and state.serving's replacement
+        self._leases: dict[int, int] = {}  # id(serving) -> requests using it
+        self._waiting: dict[str, list] = {}  # model name -> tokens of the requests waiting for its swap
+        self._granted: dict[int, object] = {}  # id(token) -> the serving its swap leased to it
         self._swapping: dict[str, asyncio.Future] = {}
 
     def available(self) -> dict[str, Path]:
@@ -87,31 +98,74 @@ class ModelSwap:
         return [{"id": name, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "mlx-tfm",
                  "status": "available"} for name, path in self.available().items() if name != self.state.model_id]
 
-    async def serving_for(self, name: str | None):
-        """The serving of the model ``name`` names: the loaded one, or a local one swapped in."""
-        if name is None or name == self.state.model_id or name not in self.available():
-            return self.state.ready_serving()  # another name is the handler's 404
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None):
+        """The serving of the model ``name`` names (the loaded one, or a local one swapped
+        in), held until the block ends."""
+        serving = await self.acquire(name)
+        try:
+            yield serving
+        finally:
+            self._release(serving)
+
+    def _release(self, serving) -> None:
+        with self._held:
+            if id(serving) in self._leases:  # (gone when the drain ran out of time)
+                self._leases[id(serving)] -= 1
+            self._held.notify_all()
+
+    def _take(self):
+        """Lease the loaded serving (called holding ``_held``)."""
+        serving = self.state.ready_serving()
+        self._leases[id(serving)] = self._leases.get(id(serving), 0) + 1
+        return serving
+
+    async def acquire(self, name: str | None):
+        with self._held:
+            if name is None or name not in self.available():
+                return self._take()  # another name is the handler's 404
+            if name == self.state.model_id and not self._lock.locked():
+                return self._take()  # (during a swap, even the old model's name waits its turn)
+            token = object()
+            self._waiting.setdefault(name, []).append(token)
         future = self._swapping.get(name)
         if future is None or future.done():
             future = asyncio.ensure_future(asyncio.to_thread(self.swap_to, name))
             self._swapping[name] = future
         try:
             await asyncio.wait_for(asyncio.shield(future), LOAD_WAIT_SECONDS)
-        except asyncio.TimeoutError:
-            raise APIError(503, f"the model {name!r} is still loading: retry shortly", code="model_not_ready") from None
-        return self.state.ready_serving()
+        except BaseException as e:
+            self._give_up(name, token)
+            if isinstance(e, asyncio.TimeoutError):
+                raise APIError(503, f"the model {name!r} is still loading: retry shortly",
+                               code="model_not_ready") from None
+            raise
+        with self._held:
+            return self._granted.pop(id(token))
+
+    def _give_up(self, name: str, token) -> None:
+        """A request that stops waiting: out of the queue, its lease back if it was granted one."""
+        with self._held:
+            if token in self._waiting.get(name, []):
+                self._waiting[name].remove(token)
+            serving = self._granted.pop(id(token), None)
+        if serving is not None:
+            self._release(serving)
 
     def swap_to(self, name: str) -> None:
-        """Unload the current model and load ``name`` in its place (runs on a worker thread)."""
+        """Unload the current model and load ``name`` in its place (runs on a worker thread);
+        then lease it to every request waiting for it."""
         with self._lock:
-            if name == self.state.model_id:  # another request swapped it in meanwhile
-                return
-            folder = self.available()[name]
-            self.check_memory(name, folder)
-            started = time.monotonic()
-            self.unload()
-            self.load(name, folder)
-            log.info("swapped in %s in %.1f s", name, time.monotonic() - started)
+            if name != self.state.model_id:  # another request may have swapped it in meanwhile
+                folder = self.available()[name]
+                self.check_memory(name, folder)
+                started = time.monotonic()
+                self.unload()
+                self.load(name, folder)
+                log.info("swapped in %s in %.1f s", name, time.monotonic() - started)
+            with self._held:
+                for token in self._waiting.pop(name, []):
+                    self._granted[id(token)] = self._take()
 
     def check_memory(self, name: str, folder: Path) -> None:
         free = self.free_memory()
@@ -123,21 +177,27 @@ class ModelSwap:
                                 f"{(free + freed) / 1e9:.2f} GB would be free", code="insufficient_memory")
 
     def unload(self) -> None:
-        """Let the old model's requests finish (up to DRAIN_SECONDS), then stop its engine."""
+        """Wait (up to DRAIN_SECONDS) until the old model's leases are back and its engine is
+        idle, then stop its engine (requests still running get an error event)."""
         serving = self.state.serving
         if serving is None:
             return
         engine = getattr(serving, "engine", None)  # encoders have none
         deadline = time.monotonic() + DRAIN_SECONDS
-        while engine is not None and time.monotonic() < deadline:
-            counts = engine.metrics()
-            if counts["running"] + counts["waiting"] == 0:
-                break
-            time.sleep(0.05)
-        self.state.serving = None
+        with self._held:
+            while not self._drained(serving, engine) and time.monotonic() < deadline:
+                self._held.wait(0.05)
+            self.state.serving = None
+            self._leases.pop(id(serving), None)
         serving.stopping.set()
         if engine is not None:
             engine.stop()
+
+    def _drained(self, serving, engine) -> bool:
+        if self._leases.get(id(serving), 0):
+            return False
+        counts = engine.metrics() if engine is not None else {"running": 0, "waiting": 0}
+        return counts["running"] + counts["waiting"] == 0
 
     def load(self, name: str, folder: Path) -> None:
         """Load ``name``; should it fail, load the previous model back and report the failure."""
@@ -152,9 +212,13 @@ class ModelSwap:
         self.state.settings, self.state.model_id = settings, name
 
 
+@contextlib.asynccontextmanager
 async def serving_named(state, body: bytes):
-    """The serving a request body's ``model`` names: swapped in when the server has a
-    ``--model-dir`` and the body names one of its models, else the loaded one."""
+    """The serving a request body's ``model`` names, held while the block submits the
+    request: swapped in when the server has a ``--model-dir`` and the body names one of
+    its models, else the loaded one."""
     if state.swap is None:
-        return state.ready_serving()
-    return await state.swap.serving_for(requested_model(body))
+        yield state.ready_serving()
+        return
+    async with state.swap.lease(requested_model(body)) as serving:
+        yield serving

@@ -120,10 +120,30 @@ def named_loader(settings):
     return SimpleNamespace(engine=StandInEngine(), stopping=threading.Event(), name=settings.model.rsplit("/", 1)[-1])
 
 
+async def name_served(state, name):
+    """The name of the model a request naming ``name`` is served by (its lease returned at once)."""
+    async with state.swap.lease(name) as serving:
+        return serving.name
+
+
+def test_a_leased_model_is_not_unloaded_until_the_lease_ends(model_dir):
+    state = stand_in_state(model_dir, named_loader)
+
+    async def hold_alpha_while_beta_is_asked_for():
+        async with state.swap.lease("alpha") as held:
+            swap = asyncio.ensure_future(name_served(state, "beta"))
+            await asyncio.sleep(0.3)
+            assert state.model_id == "alpha" and not held.stopping.is_set()
+        return await swap, held
+
+    served, held = asyncio.run(hold_alpha_while_beta_is_asked_for())
+    assert served == "beta" and held.stopping.is_set()
+
+
 def test_the_old_models_requests_finish_before_it_is_unloaded(model_dir):
     state = stand_in_state(model_dir, named_loader, busy_polls=3)
     old = state.serving
-    serving = asyncio.run(state.swap.serving_for("beta"))
+    serving = asyncio.run(state.swap.acquire("beta"))
     assert serving.name == "beta" and state.model_id == "beta"
     assert old.engine.stopped_after_polls == 4 and old.stopping.is_set()  # stopped at the first idle poll
 
@@ -133,7 +153,7 @@ def test_too_little_memory_is_refused_before_anything_is_unloaded(model_dir):
     short_by_one_byte = needed - freed - 1  # what is free besides what unloading alpha gives back
     state = stand_in_state(model_dir, named_loader, free_memory=lambda: short_by_one_byte)
     with pytest.raises(APIError) as caught:
-        asyncio.run(state.swap.serving_for("beta"))
+        asyncio.run(state.swap.acquire("beta"))
     assert caught.value.status == 507 and "not enough memory to load 'beta'" in str(caught.value)
     assert state.model_id == "alpha" and state.serving.engine.stopped_after_polls is None
 
@@ -146,7 +166,7 @@ def test_a_failed_load_brings_the_previous_model_back(model_dir):
 
     state = stand_in_state(model_dir, failing_for_beta)
     with pytest.raises(APIError) as caught:
-        asyncio.run(state.swap.serving_for("beta"))
+        asyncio.run(state.swap.acquire("beta"))
     assert caught.value.status == 500 and "could not load the model 'beta': broken weights" in str(caught.value)
     assert state.model_id == "alpha" and state.serving.name == "alpha"
 
@@ -163,7 +183,7 @@ def test_a_slow_load_answers_503_and_finishes_behind(model_dir, monkeypatch):
 
     async def ask_then_release():
         with pytest.raises(APIError) as caught:
-            await state.swap.serving_for("beta")
+            await state.swap.acquire("beta")
         release.set()
         return caught.value
 
@@ -192,3 +212,24 @@ def test_a_bad_model_dir_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: --model-dir {tmp_path / 'missing'} is not a folder\n"
     assert main(["server", "--model-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"error: --model-dir {tmp_path} holds no model folder (config.json and weights)\n"
+
+
+def test_a_request_for_the_old_model_during_a_swap_waits_and_swaps_back(model_dir):
+    beta_loading = threading.Event()
+
+    def loader(settings):
+        if settings.model.endswith("beta"):
+            beta_loading.set()
+            time.sleep(0.3)
+        return named_loader(settings)
+
+    state = stand_in_state(model_dir, loader)
+
+    async def beta_then_alpha():
+        first = asyncio.ensure_future(name_served(state, "beta"))
+        await asyncio.to_thread(beta_loading.wait, 10)
+        second = await name_served(state, "alpha")  # named while beta is loading
+        return await first, second
+
+    assert asyncio.run(beta_then_alpha()) == ("beta", "alpha")
+    assert state.model_id == "alpha"
