@@ -211,6 +211,7 @@ def test_pull_downloads_into_the_cache(machine, capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     code, out, _ = run_cli(capsys, "pull", "other-org/other-model")
     assert code == 0 and calls == [("other-org/other-model", machine["hub"])]
+    assert out.startswith("downloaded other-org/other-model to ") and out.rstrip().endswith("f" * 40)
     assert "other-org/other-model" in list_rows(run_cli(capsys, "list")[1])
 
 
