@@ -67,3 +67,64 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
             f"cannot fetch {repo_id!r} from the Hugging Face hub and it is not in the local cache, nor a local path "
             f"({reason})"
         ) from None
+
+
+# -- the models in the Hugging Face cache: `mlx-tfm list`, `pull`, `rm` ---------------------------
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (``HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``), so a changed ``HF_HOME`` counts even after huggingface_hub was imported."""
+    import os
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def cached_repos() -> list:
+    """huggingface_hub's ``CachedRepoInfo`` of every model repo in the cache (none when there is no cache)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    cache = hub_cache_dir()
+    try:
+        info = scan_cache_dir(cache)
+    except CacheNotFound:
+        return []
+    return sorted((repo for repo in info.repos if repo.repo_type == "model"), key=lambda repo: repo.repo_id)
+
+
+def newest_snapshot(repo) -> Path | None:
+    """The snapshot folder of the repo's most recently modified revision."""
+    revisions = sorted(repo.revisions, key=lambda revision: revision.last_modified)
+    return Path(revisions[-1].snapshot_path) if revisions else None
+
+
+def delete_cached(repo_id: str) -> int:
+    """Remove every revision of ``repo_id`` from the cache (huggingface_hub's delete
+    strategy: blobs no other revision shares go too); the bytes freed."""
+    from huggingface_hub import scan_cache_dir
+
+    repo = next((r for r in cached_repos() if r.repo_id == repo_id), None)
+    if repo is None:
+        raise UserError(f"{repo_id!r} is not in the Hugging Face cache {hub_cache_dir()}")
+    strategy = scan_cache_dir(hub_cache_dir()).delete_revisions(*(r.commit_hash for r in repo.revisions))
+    strategy.execute()
+    return strategy.expected_freed_size
+
+
+def pull(repo_id: str, download=None) -> Path:
+    """Download ``repo_id``'s model files into the cache (huggingface_hub's progress bars
+    show on stderr). ``download``: the download function (default: ``snapshot_download``)."""
+    if not is_repo_id(repo_id):
+        raise UserError(f"{repo_id!r} is not a Hugging Face repo id (name or org/name)")
+    if download is None:
+        from huggingface_hub import snapshot_download as download
+    try:
+        return Path(download(repo_id, allow_patterns=HUB_PATTERNS, cache_dir=hub_cache_dir()))
+    except Exception as e:  # the hub raises many types: offline, gated, missing repo
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot download {repo_id!r} into the Hugging Face cache {hub_cache_dir()} "
+                        f"(offline, or no such repo?): {reason}") from None

@@ -56,9 +56,11 @@ def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype
     """Load a model and its tokenizer from a folder or a Hugging Face repo id (``shard``:
     as for ``load_model``)."""
     from .tokenizer import load_tokenizer
+    from .weights.catalog import record_used
 
     folder = readable_folder(resolve_model_path(path_or_repo))
     model, config = load_model(folder, dtype, shard)
+    record_used(folder)  # `mlx-tfm list`'s "last used"
     if adapter_path is not None:
         from .weights.adapters import load_adapters
 

@@ -2,6 +2,7 @@
 first, as it does for users."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import mlx_tfm  # noqa: F401  (routes BLAS before mlx.core loads)
@@ -10,6 +11,10 @@ import pytest
 # The fixtures kept in the repository (tests/data, SOURCES.md there says where each comes
 # from and its license), or wherever MLX_TFM_TEST_DATA points.
 DATA = Path(os.environ.get("MLX_TFM_TEST_DATA") or Path(__file__).resolve().parent / "data")
+
+# Conversions and loads record themselves in the registry `mlx-tfm list` reads
+# (weights/catalog.py); the tests' go to a throwaway one, never the user's (subprocesses inherit it).
+os.environ["MLX_TFM_MODELS_REGISTRY"] = str(Path(tempfile.mkdtemp(prefix="mlx-tfm-registry-")) / "models.json")
 
 
 def data_path(*parts: str) -> Path:

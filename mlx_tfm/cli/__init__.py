@@ -29,6 +29,12 @@ SUBCOMMANDS = {
     "rerank": "mlx_tfm.cli.rerank",
     "perplexity": "mlx_tfm.cli.perplexity",
     "example-data": "mlx_tfm.cli.example_data",
+    # model management (cli/manage/)
+    "list": "mlx_tfm.cli.manage.list",
+    "show": "mlx_tfm.cli.manage.show",
+    "pull": "mlx_tfm.cli.manage.pull",
+    "rm": "mlx_tfm.cli.manage.rm",
+    "ps": "mlx_tfm.cli.manage.ps",
 }
 
 

@@ -19,6 +19,9 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", help=f"model folder or Hugging Face repo (default: {DEFAULT_MODEL}, "
                         "or the tiny model shipped with mlx-tfm when offline)")
+    parser.add_argument("--model-dir", metavar="FOLDER",
+                        help="also list the model folders in FOLDER on /v1/models; a request naming one swaps it in, "
+                             "one model loaded at a time (default: only --model)")
     parser.add_argument("--adapter-path", help="folder of LoRA adapters to apply (default: none)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
@@ -90,10 +93,23 @@ def settings_from(args):
         chat_template_args=read_template_args(args.chat_template_args), max_batch=args.max_batch,
         prefill_step_size=args.prefill_step_size, prompt_cache_bytes=parse_size(args.prompt_cache_bytes),
         max_kv_size=args.max_kv_size, log_level=args.log_level.lower(), split=sharding_flags.mode(args),
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, model_dir=args.model_dir,
     )
     ServerSettings(model="-", **settings)  # every flag checked before the model is looked for
-    return ServerSettings(model=choose_model(args.model), **settings)
+    return ServerSettings(model=first_model(args) or choose_model(args.model), **settings)
+
+
+def first_model(args) -> str | None:
+    """With --model-dir and no --model: the first model folder there."""
+    from ..errors import UserError
+    from ..server.model_swap import local_models
+
+    if args.model is not None or args.model_dir is None:
+        return None
+    models = local_models(args.model_dir)
+    if not models:
+        raise UserError(f"--model-dir {args.model_dir} holds no model folder (config.json and weights)")
+    return str(next(iter(models.values())))
 
 
 SERVER_PACKAGES = ("starlette", "uvicorn", "pydantic", "llguidance")

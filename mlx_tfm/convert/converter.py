@@ -17,6 +17,7 @@ from ..families.mlx_lm import MLX_LM_CONFIG_ALIASES, mlx_lm_config_keys
 from ..hub import resolve_model_path
 from ..model.config import ModelArgs
 from ..weights.build import build_model
+from ..weights.catalog import record_converted
 from ..weights.files import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
@@ -162,6 +163,7 @@ def convert(
     for stale in remove_stale_temporaries(target.parent, target.name):
         print(f"removed {stale}, left by an interrupted run", file=sys.stderr)  # a warning, even when quiet
     names = save_model_folder(target, config, weights, source.files, max_bytes, overwrite)
+    record_converted(target)  # `mlx-tfm list` shows the folders converted here
     log(f"wrote {target} ({describe(weights, quantization, config['torch_dtype'])}, {len(names)} weight file(s))")
     return target
 

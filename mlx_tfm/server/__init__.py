@@ -23,5 +23,6 @@ Modules, by job:
     metrics       Prometheus text for /metrics
     page_route    the chat page for browsers at / (its files in page/), and /props for it
     app           the Starlette app: routes, API key, CORS, body limit, model loading
+    model_swap    --model-dir: the local models /v1/models lists, one loaded at a time, swapped on request
     serve         uvicorn with a clean Ctrl-C / SIGTERM
 """

@@ -26,6 +26,7 @@ from .embeddings import decoder_only, embeddings, encoder_serving, rerank
 from .errors import APIError, internal_error
 from .infill import infill
 from .metrics import RequestCounter, prometheus_text
+from .model_swap import ModelSwap, serving_named
 from .ollama_api import OLLAMA_ROUTES
 from .page_route import OPEN_PAGE_PATHS, PAGE_ROUTES
 from .responses_api import RESPONSES_ROUTES
@@ -84,6 +85,8 @@ class ServerState:
         self.loaded = threading.Event()  # set when loading ended, ready or failed
         self._loader = loader
         self._stopped = False
+        # --model-dir: the local models a request may swap in (server/model_swap.py)
+        self.swap = ModelSwap(self, settings.model_dir, loader) if settings.model_dir else None
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="mlx-tfm-loader", daemon=True).start()
@@ -182,12 +185,14 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
 
 async def chat(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await chat_completions(decoder_only(context.state.ready_serving()), http, body)
+    async with serving_named(context.state, body) as serving:  # held until the rows are in its engine
+        return await chat_completions(decoder_only(serving), http, body)
 
 
 async def complete(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await completions(decoder_only(context.state.ready_serving()), http, body)
+    async with serving_named(context.state, body) as serving:  # held until the rows are in its engine
+        return await completions(decoder_only(serving), http, body)
 
 
 async def fill_in(http: HTTPRequest, context: AppContext):
@@ -206,11 +211,19 @@ async def rank(http: HTTPRequest, context: AppContext):
 
 
 async def list_models(http: HTTPRequest, context: AppContext):
-    return JSONResponse({"object": "list", "data": [context.model_card()]})
+    swap = context.state.swap
+    if swap is None:
+        return JSONResponse({"object": "list", "data": [context.model_card()]})
+    return JSONResponse({"object": "list", "data": [{**context.model_card(), "status": "loaded"}, *swap.cards()]})
 
 
 async def get_model(http: HTTPRequest, context: AppContext):
     name = http.path_params["model"]
+    swap = context.state.swap
+    if swap is not None and name != context.state.model_id:
+        card = next((card for card in swap.cards() if card["id"] == name), None)
+        if card is not None:
+            return JSONResponse(card)
     if name not in (context.state.model_id, context.settings.model):  # the id, or --model as given
         raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     return JSONResponse(context.model_card())

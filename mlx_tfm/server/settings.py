@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import UserError
 from .output import reasoning_format_named
@@ -42,6 +43,7 @@ class ServerSettings:
     split: str | None = None  # "pipeline" | "tensor": the model split over mlx.launch's ranks
     tool_call_parser: str | None = None  # a ToolFormat's name (None: the chat template's format)
     reasoning_parser: str | None = None  # a ReasoningFormat's name (None: the chat template's)
+    model_dir: str | None = None  # a folder of models a request may swap in (server/model_swap.py)
 
     def __post_init__(self):
         check_settings(self)
@@ -66,6 +68,8 @@ def check_settings(s: ServerSettings) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if s.model_dir is not None and not Path(s.model_dir).expanduser().is_dir():
+        raise UserError(f"--model-dir {s.model_dir} is not a folder")
     if s.tool_call_parser is not None:
         tool_format_named(s.tool_call_parser)
     if s.reasoning_parser is not None:
