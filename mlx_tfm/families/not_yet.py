@@ -17,7 +17,6 @@ HYBRIDS = frozenset((
 ))
 ENCODER_DECODERS = frozenset(("t5", "mt5"))
 
-PARALLEL = "being added on another branch"
 DECODER_OF_SEQ2SEQ = "the decoder half of an encoder-decoder (cross-attention into another model's encoder)"
 ENCODER_AS_DECODER = "an encoder checkpoint run causally (transformers' *ForCausalLM of a BERT-like model)"
 IMAGE_TEXT = "an image/audio-text model: its text tower's loading is not written"
@@ -26,12 +25,8 @@ UNREVIEWED = "not reviewed yet"
 
 # model_type -> (kind, what is missing) for every type in mlx-lm or transformers we do not build.
 NOT_YET: dict[str, tuple[str, str]] = {
-    # families other branches are adding now
-    **dict.fromkeys(("apertus", "cohere2", "glm4", "gpt_neox", "gemma4_text"), ("dense", PARALLEL)),
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), ("MoE", PARALLEL)),
-    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe",
-                     "mamba", "mamba2", "falcon_mamba"), ("hybrid", PARALLEL)),
-    # families of this branch still to do
+    "falcon_mamba": ("hybrid", "Mamba-1 with normed B, C and dt (refused by name)"),
+    # still to do
     "olmo": ("dense", "LayerNorm without weight or bias; mlx-lm's olmo reads hf_olmo's format, not transformers'"),
     "hunyuan": ("MoE", "mlx-lm's own layout of HunYuan MoE (cross-layer attention)"),
     "minimax": ("hybrid", "lightning attention (a linear-attention hybrid)"),
