@@ -27,6 +27,7 @@ from .encoders import ENCODERS
 from .experts import MIXTURES
 from .gemma4 import GEMMA4
 from .hybrids import HYBRIDS
+from .kimi import KIMI
 from .latent import LATENT
 from .llama4 import LLAMA4
 from .state_space import STATE_SPACE
@@ -34,6 +35,7 @@ from .state_space import STATE_SPACE
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
     **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4, **GEMMA4,
+    **KIMI,
 }
 
 
