@@ -77,7 +77,7 @@ def kimi_linear_args(config: dict) -> dict:
                    topk_group=config.get("topk_group") or 1,
                    norm_topk_prob=config.get("moe_renormalize", config.get("norm_topk_prob", True)),
                    shared_expert_intermediate_size=shared * config["moe_intermediate_size"],
-                   mlp_only_layers=dense_layers(config)),
+                   mlp_only_layers=dense_layers(config), first_k_dense_replace=0),  # the dense ones are listed
     }
 
 
