@@ -180,6 +180,9 @@ class ModelArgs:
     vocab_size_per_layer_input: int = 0
     layer_scalar: bool = False
     experts_beside_mlp: int = 0
+    # Nemotron-H's experts (model/experts.py SwitchMLP): ungated, down(act(up(x))) with
+    # hidden_act (squared ReLU), no gate_proj
+    ungated_experts: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

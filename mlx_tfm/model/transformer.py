@@ -22,7 +22,7 @@ from .experts import SparseMoeBlock, clamped_swiglu
 from .experts_beside_mlp import add_modules as add_beside_experts
 from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
-from .layers import MLP, gated_activation, make_norm
+from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
 from .local_attention import chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
@@ -39,7 +39,9 @@ def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
         wide = args.double_wide_mlp and layer_idx >= first_shared_layer(args)
         return MLP(args, 2 * args.intermediate_size if wide else None)
     shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
-    if args.swiglu_limit is not None:
+    if args.ungated_experts:  # Nemotron-H: down(act(up(x))), one argument
+        activation = ACTIVATIONS[args.hidden_act]
+    elif args.swiglu_limit is not None:
         activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
     else:
         activation = gated_activation(args.hidden_act)
