@@ -30,12 +30,13 @@ from .hybrids import HYBRIDS
 from .kimi import KIMI
 from .latent import LATENT
 from .llama4 import LLAMA4
+from .minimax import MINIMAX
 from .state_space import STATE_SPACE
 
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
     **DECODERS, **MIXTURES, **ENCODERS, **STATE_SPACE, **LATENT, **CONVOLUTIONS, **HYBRIDS, **LLAMA4, **GEMMA4,
-    **KIMI,
+    **KIMI, **MINIMAX,
 }
 
 

@@ -23,6 +23,7 @@ from .config import ModelArgs
 from .deltanet import GatedDeltaNet
 from .kimi_delta import KimiDeltaAttention
 from .latent_attention import LatentAttention
+from .lightning import LightningAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
 from .short_conv import ShortConv
 
@@ -51,6 +52,8 @@ MIXERS: dict[str, MixerKind] = {
     "chunked_attention": MixerKind("self_attn", attention_mixer),  # Llama 4 (local_attention.py)
     # Kimi Linear's KDA: the delta rule with a decay per key channel (model/kimi_delta.py)
     "kimi_delta_attention": MixerKind("self_attn", KimiDeltaAttention),
+    # MiniMax-Text-01's lightning attention: linear attention, a fixed decay per head (model/lightning.py)
+    "lightning_attention": MixerKind("self_attn", LightningAttention),
 }
 
 

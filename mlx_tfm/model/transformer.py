@@ -56,6 +56,7 @@ BLOCK_NORMS = {
     "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "parallel": ("input_layernorm",),
     "parallel_two_norms": ("input_layernorm", "post_attention_layernorm"),  # GPT-NeoX
+    "normed_residual": ("input_layernorm", "post_attention_layernorm"),  # MiniMax
 }
 
 
@@ -110,6 +111,9 @@ class TransformerBlock(nn.Module):
             if self.placement != "sandwich":
                 raise ValueError("experts beside the MLP are only defined for the sandwich placement")
             add_beside_experts(self, args)
+        if self.placement == "normed_residual":  # MiniMax: weighted residuals of the normed stream
+            factors = (args.mixer_residual_factors or {}).get(args.layer_types[layer_idx], (1.0, 1.0))
+            (self.mixer_alpha, self.mixer_beta), (self.mlp_alpha, self.mlp_beta) = factors, args.mlp_residual_factors
         self.scales_output = args.layer_scalar
         if self.scales_output:  # Gemma 4: a learned scalar times the block's output
             self.layer_scalar = mx.ones((1,))
@@ -145,6 +149,12 @@ class TransformerBlock(nn.Module):
         if self.placement == "parallel_two_norms":
             # GPT-NeoX: both sublayers read x, each through its own norm.
             return x + self.mixer(self.input_layernorm(x), mask, cache) + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "normed_residual":
+            # MiniMax: the residual is each sublayer's normed input, both terms weighted.
+            h = self.input_layernorm(x)
+            h = settled(h * self.mixer_alpha + self.mixer(h, mask, cache) * self.mixer_beta)
+            h = self.post_attention_layernorm(h)
+            return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
             h = settled(x + self.post_attention_layernorm(self.mixer(x, mask, cache)))

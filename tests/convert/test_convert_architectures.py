@@ -66,6 +66,7 @@ MLX_LM_NARROWER = {
     "llama4": "mlx-lm's llama4 takes one expert per token, no RoPE on every 4th layer: tests/families/test_llama4.py",
     "kimi_linear": "mlx-lm's kimi_linear reads only Moonshot's config (linear_attn_config), which transformers "
                    "does not write",
+    "minimax": "mlx-lm's minimax is MiniMax-M2 (softmax attention only): tests/families/test_minimax_family.py",
 }
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS
                    if TINY_CONFIGS[name].get("model_type", name) not in MLX_LM_LACKS and name not in MLX_LM_NARROWER)
