@@ -138,3 +138,11 @@ def test_unknown_kimi_layer_type_is_named():
 
     with pytest.raises(UserError, match="kimi_linear layer type 'mamba' is not supported"):
         model_args_from_config({**KIMI, "layer_types": ["mamba"] * 4})
+
+
+def test_inspect_counts_kda_layers_as_recurrent():
+    """KDA sits under ``self_attn`` as attention does; the parameter table tells them apart."""
+    from mlx_tfm.inspect.parts import model_parts
+
+    kinds = {(p.layer, p.kind) for p in model_parts(kimi_model()) if p.name_in_block.startswith("self_attn.")}
+    assert kinds == {(0, "recurrent"), (1, "attention"), (2, "recurrent"), (3, "recurrent")}
