@@ -28,17 +28,20 @@ from .encoders import ENCODERS
 from .experts import MIXTURES
 from .gemma4 import GEMMA4
 from .hybrids import HYBRIDS
+from .kimi import KIMI
 from .latent import LATENT
 from .llama4 import LLAMA4
+from .minimax import MINIMAX
 from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
 from .state_space import STATE_SPACE
 
+
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
     **DECODERS, **MIXTURES, **ENCODERS, **MORE_DECODERS, **MORE_MIXTURES, **GEMMA4, **LLAMA4,
-    **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT,
+    **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT, **KIMI, **MINIMAX,
 }
 
 

@@ -29,7 +29,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     # still to do
     "olmo": ("dense", "LayerNorm without weight or bias; mlx-lm's olmo reads hf_olmo's format, not transformers'"),
     "hunyuan": ("MoE", "mlx-lm's own layout of HunYuan MoE (cross-layer attention)"),
-    "minimax": ("hybrid", "lightning attention (a linear-attention hybrid)"),
     # not in transformers
     **dict.fromkeys(("internlm2", "baichuan_m1", "afm7", "gear", "iquestloopcoder", "lille-130m", "mimo", "minicpm",
                      "muse_glimmer", "muse_spark", "nanbeige", "nemotron-nas", "openelm", "phi-msft", "phi3small",
@@ -95,7 +94,6 @@ NOT_YET: dict[str, tuple[str, str]] = {
     "bamba": ("hybrid", "Mamba-2 layers between attention layers"),
     "zamba": ("hybrid", "Mamba layers with a shared attention block"),
     "zamba2": ("hybrid", "Mamba-2 layers with shared attention blocks"),
-    "kimi_linear": ("hybrid", "Kimi Delta Attention layers"),
     "recurrent_gemma": ("hybrid", "RG-LRU recurrent blocks"),
     "rwkv": ("hybrid", "RWKV-4 time mixing (no attention)"),
     "xlstm": ("hybrid", "mLSTM blocks (no attention)"),

@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import COMMON_DROPS, Architecture, activation, rope_settings, split_rows
 from .decoders import granite_args, llama_args
-from .experts import moe_args
+from .experts import moe_args, stack_experts
 
 
 def mamba_fields(config: dict, heads: int, head_dim: int, inner: int, **fields) -> dict:
@@ -302,21 +302,51 @@ def falcon_h1_mlx_lm_keys(config: dict) -> dict:
 
 
 # Nemotron-H's layer kinds, as transformers 5 spells them (layers_block_type) and as the
-# legacy hybrid_override_pattern letters do: M Mamba-2, * attention, - MLP.
+# legacy hybrid_override_pattern letters do: M Mamba-2, * attention, - MLP, E experts.
 NEMOTRON_H_KINDS = {"linear_attention": "mamba", "full_attention": "full_attention", "mlp": "mlp",
-                    "mamba": "mamba", "attention": "full_attention",
-                    "M": "mamba", "*": "full_attention", "-": "mlp"}
+                    "mamba": "mamba", "attention": "full_attention", "moe": "moe",
+                    "M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
 def nemotron_h_layers(config: dict) -> list[str]:
-    """Each layer's kind: "mamba", "full_attention" or "mlp" (mixture-of-experts layers refused)."""
+    """Each layer's kind: "mamba", "full_attention", "mlp" or "moe"."""
     kinds = config.get("layers_block_type") or config.get("hybrid_override_pattern")
     if not kinds:
         raise UserError("nemotron_h config has neither layers_block_type nor hybrid_override_pattern")
     unknown = sorted({k for k in kinds if k not in NEMOTRON_H_KINDS})
     if unknown:
-        raise UserError(f"nemotron_h layers of kind {unknown[0]!r} are not supported (Mamba-2, attention, MLP only)")
+        raise UserError(f"nemotron_h layers of kind {unknown[0]!r} are not supported "
+                        "(Mamba-2, attention, MLP, experts only)")
     return [NEMOTRON_H_KINDS[k] for k in kinds]
+
+
+def nemotron_h_experts(config: dict, kinds: list[str]) -> dict:
+    """The "moe" layers: ungated squared-ReLU experts, a sigmoid router choosing by
+    ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups, and a
+    shared expert; the "mlp" layers stay dense (mlp_only_layers)."""
+    if "moe" not in kinds:
+        return {}
+    missing = [key for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not config.get(key)]
+    if missing:
+        raw = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+        letter = next(k for k in raw if NEMOTRON_H_KINDS[k] == "moe")
+        raise UserError(f"nemotron_h layers of kind {letter!r} are not supported without {', '.join(missing)}")
+    if config.get("moe_latent_size") is not None:
+        raise UserError("nemotron_h experts with moe_latent_size (a latent projection around them) are not supported")
+    shared = config.get("moe_shared_expert_intermediate_size") if config.get("n_shared_experts") else 0
+    return {
+        "num_experts": config["n_routed_experts"],
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "router_scoring": "sigmoid",
+        "routed_scaling_factor": config.get("routed_scaling_factor", 1.0),
+        "n_group": config.get("n_group") or 1,
+        "topk_group": config.get("topk_group") or 1,
+        "norm_topk_prob": config.get("norm_topk_prob", True),
+        "shared_expert_intermediate_size": shared or 0,
+        "ungated_experts": True,
+        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind != "moe"],
+    }
 
 
 def nemotron_h_args(config: dict) -> dict:
@@ -340,8 +370,10 @@ def nemotron_h_args(config: dict) -> dict:
         "norm_eps": config.get("layer_norm_epsilon", 1e-5),
         "position_embedding": "none",
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
-        "layer_types": ["full_attention" if k == "mlp" else k for k in kinds],  # an MLP block's entry is unused
-        "block_sublayers": ["mlp" if k == "mlp" else "mixer" for k in kinds],
+        # an MLP or experts block's entry is unused
+        "layer_types": ["full_attention" if k in ("mlp", "moe") else k for k in kinds],
+        "block_sublayers": ["mlp" if k in ("mlp", "moe") else "mixer" for k in kinds],
+        **nemotron_h_experts(config, kinds),
         # transformers' NemotronHMamba2Mixer clips dt at time_step_min, never above
         **mamba_fields({**config, "time_step_limit": (config.get("time_step_min", 0.001), float("inf"))},
                        heads, head_dim, heads * head_dim, mamba_state_size=config["ssm_state_size"],
@@ -369,6 +401,36 @@ def mixers_by_layer_kind(weights: dict, args: ModelArgs) -> dict:
             else:
                 kind = "mamba" if args.layer_types[layer] in ("mamba", "mamba1") else "self_attn"
             name = f"model.layers.{layer}.{kind}.{match[2]}"
+        out[name] = tensor
+    return out
+
+
+NEMOTRON_H_EXPERT_PROJECTIONS = {"up_proj": "fc1", "down_proj": "fc2"}  # mlx-lm's SwitchMLP names
+# Our names for the experts blocks' parts, once their sublayer is named ``mlp``.
+NEMOTRON_H_MOE_NAMES = (
+    (re.compile(r"(.*\.mlp)\.switch_mlp\.fc1\.(.*)"), r"\1.switch_mlp.up_proj.\2"),
+    (re.compile(r"(.*\.mlp)\.switch_mlp\.fc2\.(.*)"), r"\1.switch_mlp.down_proj.\2"),
+    (re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias"), r"\1.e_score_correction_bias"),
+    (re.compile(r"(.*\.mlp)\.shared_experts\.(.*)"), r"\1.shared_expert.\2"),
+)
+
+
+def nemotron_h_layout(weights: dict, config: dict) -> dict:
+    """Per-expert ``mixer.experts.N.up_proj/down_proj`` -> stacked ``mixer.switch_mlp.fc1/fc2``
+    (mlx-lm's on-disk names); checkpoints without experts pass unchanged."""
+    if not config.get("n_routed_experts"):
+        return weights
+    return stack_experts(weights, config["n_routed_experts"], NEMOTRON_H_EXPERT_PROJECTIONS)
+
+
+def nemotron_h_sublayers(weights: dict, args: ModelArgs) -> dict:
+    """``mixer`` named by layer kind, then the experts blocks' parts by our names."""
+    out = {}
+    for name, tensor in mixers_by_layer_kind(weights, args).items():
+        for pattern, replacement in NEMOTRON_H_MOE_NAMES:
+            if pattern.fullmatch(name):
+                name = pattern.sub(replacement, name)
+                break
         out[name] = tensor
     return out
 
@@ -408,8 +470,10 @@ STATE_SPACE: dict[str, Architecture] = {
                           layout=conv_to_mlx_layout),
     "mamba2": Architecture(args=mamba2_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
                            layout=conv_to_mlx_layout),
-    "nemotron_h": Architecture(args=nemotron_h_args, renames=BACKBONE_RENAMES, rewrite=mixers_by_layer_kind,
-                               layout=conv_to_mlx_layout, drops=COMMON_DROPS + (r"mtp\..*",)),
+    "nemotron_h": Architecture(args=nemotron_h_args, renames=BACKBONE_RENAMES, rewrite=nemotron_h_sublayers,
+                               layout=conv_to_mlx_layout, experts=nemotron_h_layout,
+                               drops=COMMON_DROPS + (r"mtp\..*",),
+                               routers=r"backbone\.layers\.\d+\.mixer\.gate", router_bits=None),
     "granitemoehybrid": Architecture(args=granite_hybrid_args, renames=GRANITE_HYBRID_RENAMES, rewrite=split_shared_mlp,
                                      experts=granite_hybrid_layout,
                                      routers=r"model\.layers\.\d+\.block_sparse_moe\.router\.layer"),

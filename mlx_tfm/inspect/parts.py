@@ -26,10 +26,14 @@ from mlx.utils import tree_flatten
 from ..model.layers import RMSNorm
 from ..model.mixers import ATTENTION_TYPES, MIXERS
 
-KINDS = {"embed_tokens": "embedding", "embed_positions": "positions", "self_attn": "attention", "mlp": "ffn",
-         "lm_head": "head",
-         # recurrent token mixers (LFM2's "conv", ...): by their block attribute
-         **{kind.attribute: "recurrent" for name, kind in MIXERS.items() if name not in ATTENTION_TYPES}}
+# Recurrent token mixers (LFM2's "conv", ...) by their block attribute, where it is their own.
+KINDS = {**{kind.attribute: "recurrent" for name, kind in MIXERS.items() if name not in ATTENTION_TYPES},
+         "embed_tokens": "embedding", "embed_positions": "positions", "self_attn": "attention", "mlp": "ffn",
+         "lm_head": "head"}
+# Recurrent mixers that checkpoints name ``self_attn`` (Kimi's KDA, MiniMax's lightning
+# attention) are told by their module's type.
+RECURRENT_MIXERS = tuple(kind.build for name, kind in MIXERS.items()
+                         if name not in ATTENTION_TYPES and isinstance(kind.build, type))
 NORMS = (RMSNorm, nn.LayerNorm)
 BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # What a quantized module holds beside its packed ``weight`` (MLX's affine layout).
@@ -83,9 +87,11 @@ def stored_as(module: nn.Module, arrays: dict[str, mx.array]) -> str:
     return str(next(iter(arrays.values())).dtype).removeprefix("mlx.core.")
 
 
-def kind_of(path: str, module: nn.Module) -> str:
+def kind_of(path: str, module: nn.Module, modules: dict[str, nn.Module] | None = None) -> str:
     match = BLOCK.fullmatch(path)
     first = (match.group(2) if match else path.removeprefix("model.")).split(".")[0]
+    if match and isinstance((modules or {}).get(f"model.layers.{match.group(1)}.{first}"), RECURRENT_MIXERS):
+        return "recurrent"
     return KINDS.get(first) or ("norm" if isinstance(module, NORMS) else "other")
 
 
@@ -99,7 +105,7 @@ def model_parts(model: nn.Module) -> list[Part]:
         match = BLOCK.fullmatch(path)
         parts.append(Part(
             name=path,
-            kind=kind_of(path, module),
+            kind=kind_of(path, module, modules),
             layer=int(match.group(1)) if match else None,
             parameters=sum(sizes.values()),
             matrix_parameters=sum(n for key, n in sizes.items() if arrays[key].ndim >= 2),

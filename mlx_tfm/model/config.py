@@ -193,6 +193,14 @@ class ModelArgs:
     vocab_size_per_layer_input: int = 0
     layer_scalar: bool = False
     experts_beside_mlp: int = 0
+    # Nemotron-H's experts (model/experts.py SwitchMLP): ungated, down(act(up(x))) with
+    # hidden_act (squared ReLU), no gate_proj
+    ungated_experts: bool = False
+    # MiniMax-Text-01 (norm_placement "normed_residual", model/lightning.py): each sublayer's
+    # residual is its normed input, ``alpha * normed + beta * sublayer(normed)``; the
+    # mixers' (alpha, beta) by layer type (absent: (1, 1)), the feed-forward's one pair
+    mixer_residual_factors: dict | None = None
+    mlp_residual_factors: tuple[float, float] = (1.0, 1.0)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":

@@ -27,6 +27,8 @@ key head serves Hv / Hk consecutive value heads, as GQA).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -46,10 +48,12 @@ def l2_normalised(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 def delta_rule_steps(queries, keys, values, g, beta, state):
     """The recurrence one position at a time. queries, keys (B, H, L, Dk), values
-    (B, H, L, Dv), g and beta (B, H, L), state (B, H, Dk, Dv) -> (out (B, H, L, Dv), state)."""
+    (B, H, L, Dv), g and beta (B, H, L), state (B, H, Dk, Dv) -> (out (B, H, L, Dv), state).
+    g may also be (B, H, L, Dk): a decay per key channel, scaling each row of S (Kimi's KDA)."""
     outputs = []
     for t in range(queries.shape[2]):
-        state = state * mx.exp(g[:, :, t])[..., None, None]
+        decay = mx.exp(g[:, :, t])  # (B, H) per head, or (B, H, Dk) per key channel
+        state = state * (decay[..., None, None] if decay.ndim == 2 else decay[..., None])
         k_t = keys[:, :, t]  # (B, H, Dk)
         predicted = (k_t[..., None] * state).sum(axis=-2)  # k^T S: (B, H, Dv)
         delta = (values[:, :, t] - predicted) * beta[:, :, t, None]
@@ -152,16 +156,18 @@ def causal_depthwise_conv(inputs: mx.array, weight: mx.array) -> mx.array:
 
 
 class GatedRMSNorm(nn.Module):
-    """``rms_norm(x) * weight * silu(z)`` over each head's values (weight starts at one)."""
+    """``rms_norm(x) * weight * gate(z)`` over each head's values (weight starts at one);
+    the gate is silu (Qwen's Gated DeltaNet) or sigmoid (Kimi's KDA)."""
 
-    def __init__(self, dims: int, eps: float):
+    def __init__(self, dims: int, eps: float, gate: Callable[[mx.array], mx.array] = nn.silu):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
+        self.gate = gate
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
-        return (normed * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+        return (normed * self.gate(gate.astype(mx.float32))).astype(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

@@ -244,22 +244,50 @@ class SwitchGLU(nn.Module):
         indices = mx.stop_gradient(indices)
         if on_cpu() and cpu_experts.takes(self, indices):
             return cpu_experts.switch_glu(self, x, indices)
-        x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): one row, broadcast over the k experts
-        sort = indices.size >= SORT_FROM_PAIRS
-        if sort:
-            rows, chosen, unsort = sort_by_expert(x, indices)  # (N * k, 1, D)
-        else:
-            rows, chosen = x, indices
+        return through_experts(x, indices, self._expert_ffn)
+
+    def _expert_ffn(self, rows: mx.array, chosen: mx.array, sort: bool) -> mx.array:
         hidden = self.activation(self.gate_proj(rows, chosen, sort), self.up_proj(rows, chosen, sort))
-        out = self.down_proj(hidden, chosen, sort)
-        if sort:
-            out = mx.unflatten(out[unsort], 0, indices.shape)  # (N * k, 1, D) -> (..., k, 1, D)
-        return out.squeeze(-2)
+        return self.down_proj(hidden, chosen, sort)
+
+
+def through_experts(x: mx.array, indices: mx.array, expert_ffn) -> mx.array:
+    """``expert_ffn(rows, chosen, sorted)`` over each position's chosen experts, the pairs
+    sorted by expert first when there are many. x (..., D), indices (..., k) -> (..., k, D)."""
+    x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): one row, broadcast over the k experts
+    sort = indices.size >= SORT_FROM_PAIRS
+    if sort:
+        rows, chosen, unsort = sort_by_expert(x, indices)  # (N * k, 1, D)
+    else:
+        rows, chosen = x, indices
+    out = expert_ffn(rows, chosen, sort)
+    if sort:
+        out = mx.unflatten(out[unsort], 0, indices.shape)  # (N * k, 1, D) -> (..., k, 1, D)
+    return out.squeeze(-2)
+
+
+class SwitchMLP(nn.Module):
+    """Ungated experts (Nemotron-H): ``down(act(up(x)))`` per expert, two ``SwitchLinear``s.
+    They take the plain MLX route on every device (the CPU route is for gated experts)."""
+
+    def __init__(self, dims: int, hidden_dims: int, num_experts: int, activation, bias: bool = False):
+        super().__init__()
+        self.up_proj = SwitchLinear(dims, hidden_dims, num_experts, bias)
+        self.down_proj = SwitchLinear(hidden_dims, dims, num_experts, bias)
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x (..., D), indices (..., k) -> each chosen expert's output (..., k, D)."""
+        return through_experts(x, mx.stop_gradient(indices), self._expert_ffn)
+
+    def _expert_ffn(self, rows: mx.array, chosen: mx.array, sort: bool) -> mx.array:
+        return self.down_proj(self.activation(self.up_proj(rows, chosen, sort)), chosen, sort)
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, stacked experts and an optional shared expert (Qwen2-MoE: a dense FFN every
-    position passes through, scaled by ``sigmoid(shared_expert_gate(x))``)."""
+    """Router, stacked experts (gated, or with ``ungated_experts`` up/down only) and an
+    optional shared expert (Qwen2-MoE: a dense FFN every position passes through, scaled
+    by ``sigmoid(shared_expert_gate(x))``)."""
 
     def __init__(self, args: "ModelArgs", activation, shared_expert: nn.Module | None = None):
         super().__init__()
@@ -270,7 +298,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(D, E, bias=args.router_bias)
         if args.router_scoring == "sigmoid" or args.router_choice_bias:
             self.e_score_correction_bias = mx.zeros((E,))
-        self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, E, activation, bias=args.expert_bias)
+        # ungated experts take a one-argument activation, act(up(x)); gated ones act(gate, up)
+        experts = SwitchMLP if args.ungated_experts else SwitchGLU
+        self.switch_mlp = experts(D, args.moe_intermediate_size, E, activation, bias=args.expert_bias)
         if shared_expert is not None:
             self.shared_expert = shared_expert
             if args.shared_expert_gate:
@@ -298,4 +328,4 @@ class SparseMoeBlock(nn.Module):
         return experts.squeeze(-2).sum(axis=-2)
 
 
-__all__ = ["SparseMoeBlock", "SwitchGLU", "SwitchLinear", "QuantizedSwitchLinear", "route", "clamped_swiglu"]
+__all__ = ["SparseMoeBlock", "SwitchGLU", "SwitchMLP", "SwitchLinear", "QuantizedSwitchLinear", "route", "clamped_swiglu"]

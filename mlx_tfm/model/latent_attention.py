@@ -50,6 +50,11 @@ from .positions import RoPE, rope_type
 LATENT_NORM_EPS = 1e-6
 
 
+def unrotated(x: mx.array, offset) -> mx.array:
+    """The rotation of a model without positions: none."""
+    return x
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -143,8 +148,9 @@ class LatentAttention(nn.Module):
         self.embed_q = HeadLinear(self.nope_dim, self.latent_dim, H)  # W_k^T: nope -> latent
         self.unembed_out = HeadLinear(self.latent_dim, self.v_dim, H)  # W_v: latent -> v_head_dim
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=args.attention_out_bias)
+        # Kimi Linear's MLA keeps the rope-sized key part but rotates nothing (position_embedding "none")
         self.rope = RoPE(self.rope_dim, args.rope_traditional, args.rope_theta, args.rope_scaling,
-                         args.max_position_embeddings)
+                         args.max_position_embeddings) if args.position_embedding == "rope" else unrotated
         self.scale = latent_softmax_scale(self.nope_dim + self.rope_dim, args.rope_scaling)
 
     def __call__(self, x: mx.array, mask=None, cache=None, absorbed: bool | None = None) -> mx.array:

@@ -21,7 +21,9 @@ import mlx.nn as nn
 from .attention import Attention
 from .config import ModelArgs
 from .deltanet import GatedDeltaNet
+from .kimi_delta import KimiDeltaAttention
 from .latent_attention import LatentAttention
+from .lightning import LightningAttention
 from .mamba import Mamba1Mixer, Mamba2Mixer
 from .short_conv import ShortConv
 
@@ -48,6 +50,10 @@ MIXERS: dict[str, MixerKind] = {
     "conv": MixerKind("conv", ShortConv),  # LFM2's gated short convolution (short_conv.py)
     "linear_attention": MixerKind("linear_attn", GatedDeltaNet),
     "chunked_attention": MixerKind("self_attn", attention_mixer),  # Llama 4 (local_attention.py)
+    # Kimi Linear's KDA: the delta rule with a decay per key channel (model/kimi_delta.py)
+    "kimi_delta_attention": MixerKind("self_attn", KimiDeltaAttention),
+    # MiniMax-Text-01's lightning attention: linear attention, a fixed decay per head (model/lightning.py)
+    "lightning_attention": MixerKind("self_attn", LightningAttention),
 }
 
 

@@ -22,7 +22,7 @@ from .experts import SparseMoeBlock, clamped_swiglu
 from .experts_beside_mlp import add_modules as add_beside_experts
 from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
-from .layers import MLP, gated_activation, make_norm
+from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
 from .local_attention import chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
@@ -39,7 +39,9 @@ def feed_forward(args: ModelArgs, layer_idx: int) -> nn.Module:
         wide = args.double_wide_mlp and layer_idx >= first_shared_layer(args)
         return MLP(args, 2 * args.intermediate_size if wide else None)
     shared = MLP(args, args.shared_expert_intermediate_size) if args.shared_expert_intermediate_size else None
-    if args.swiglu_limit is not None:
+    if args.ungated_experts:  # Nemotron-H: down(act(up(x))), one argument
+        activation = ACTIVATIONS[args.hidden_act]
+    elif args.swiglu_limit is not None:
         activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
     else:
         activation = gated_activation(args.hidden_act)
@@ -54,6 +56,7 @@ BLOCK_NORMS = {
     "post_sublayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "parallel": ("input_layernorm",),
     "parallel_two_norms": ("input_layernorm", "post_attention_layernorm"),  # GPT-NeoX
+    "normed_residual": ("input_layernorm", "post_attention_layernorm"),  # MiniMax
 }
 
 
@@ -108,6 +111,9 @@ class TransformerBlock(nn.Module):
             if self.placement != "sandwich":
                 raise ValueError("experts beside the MLP are only defined for the sandwich placement")
             add_beside_experts(self, args)
+        if self.placement == "normed_residual":  # MiniMax: weighted residuals of the normed stream
+            factors = (args.mixer_residual_factors or {}).get(args.layer_types[layer_idx], (1.0, 1.0))
+            (self.mixer_alpha, self.mixer_beta), (self.mlp_alpha, self.mlp_beta) = factors, args.mlp_residual_factors
         self.scales_output = args.layer_scalar
         if self.scales_output:  # Gemma 4: a learned scalar times the block's output
             self.layer_scalar = mx.ones((1,))
@@ -143,6 +149,12 @@ class TransformerBlock(nn.Module):
         if self.placement == "parallel_two_norms":
             # GPT-NeoX: both sublayers read x, each through its own norm.
             return x + self.mixer(self.input_layernorm(x), mask, cache) + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "normed_residual":
+            # MiniMax: the residual is each sublayer's normed input, both terms weighted.
+            h = self.input_layernorm(x)
+            h = settled(h * self.mixer_alpha + self.mixer(h, mask, cache) * self.mixer_beta)
+            h = self.post_attention_layernorm(h)
+            return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
         if self.placement == "post_sublayer":
             # OLMo 2: normalise each sublayer's output only.
             h = settled(x + self.post_attention_layernorm(self.mixer(x, mask, cache)))
