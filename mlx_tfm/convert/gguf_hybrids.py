@@ -1,0 +1,197 @@
+"""llama.cpp's GGUF files of the hybrid families: short convolutions (lfm2, lfm2moe) and
+state-space models (mamba2, mamba), read back into their Hugging Face checkpoints.
+
+Each row of ``HYBRID_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
+(``gguf_file.py`` builds them): the tensor-name table, a config reader that builds the
+whole Hugging Face config (these files carry no llama-shaped attention metadata), and
+``restore``, which undoes what llama.cpp's converter did to a tensor:
+
+- the depthwise convolutions' weights (channels, 1, kernel) are stored squeezed;
+- Mamba's ``A_log`` is stored as ``A = -exp(A_log)`` (``ssm_a``), Mamba-2's A and D with a
+  trailing axis of 1, its gated norm's weight grouped (groups, inner / groups);
+- Mamba-2's ``dt_bias`` is named as a ``dt_proj`` bias (``ssm_dt.bias``).
+
+Which kind each layer is comes from its tensors (a layer with ``shortconv.in_proj`` is a
+convolution); a layer that holds none of the kinds the family knows is an error naming it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UserError
+
+NamePair = tuple[str, str]  # (llama.cpp template, Hugging Face template), as gguf_file.py's
+
+
+def layer_pairs(prefix: str, pairs: list[tuple[str, str]]) -> tuple[NamePair, ...]:
+    """``blk.N.{gguf}.weight|bias`` <-> ``{prefix}.N.{hf}.weight|bias`` for each pair."""
+    return tuple((f"blk.{{layer}}.{g}.{{kind}}", f"{prefix}.{{layer}}.{h}.{{kind}}") for g, h in pairs)
+
+
+def layer_kinds(tensors: dict, n_layers: int, markers: dict[str, str], arch: str) -> list[str]:
+    """Each layer's kind: the first of ``markers`` (kind -> llama.cpp tensor of that kind,
+    ``blk.N.`` left off) the layer holds; an error naming a layer that holds none."""
+    kinds = []
+    for layer in range(n_layers):
+        found = [kind for kind, part in markers.items() if f"blk.{layer}.{part}" in tensors]
+        if not found:
+            held = sorted(name.split(".", 2)[2] for name in tensors if name.startswith(f"blk.{layer}."))
+            raise UserError(f"GGUF {arch} layer {layer} is of no known kind: it holds {', '.join(held) or 'no tensors'}"
+                            f" (known: {', '.join(f'{k} ({p})' for k, p in markers.items())})")
+        kinds.append(found[0])
+    return kinds
+
+
+def tensor_rows(tensors: dict, name: str) -> int:
+    """A tensor's leading axis as numpy reads it (rows of a matrix, length of a vector)."""
+    return int(tensors[name].data.shape[0])
+
+
+# -- LFM2 and LFM2-MoE: short convolutions beside attention -----------------------------------
+
+LFM2_NAMES = (
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("token_embd_norm.weight", "model.embedding_norm.weight"),
+    ("output.weight", "lm_head.weight"),
+) + layer_pairs("model.layers", [
+    ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"), ("shortconv.out_proj", "conv.out_proj"),
+    ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.out_proj"), ("attn_q_norm", "self_attn.q_layernorm"),
+    ("attn_k_norm", "self_attn.k_layernorm"), ("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm"),
+    ("ffn_gate", "feed_forward.w1"), ("ffn_up", "feed_forward.w3"), ("ffn_down", "feed_forward.w2"),
+    ("ffn_gate_inp", "feed_forward.gate"),
+]) + (
+    # stacked experts (experts, out, in): the layout the family's loader stacks experts into
+    ("blk.{layer}.ffn_gate_exps.weight", "model.layers.{layer}.feed_forward.switch_mlp.gate_proj.weight"),
+    ("blk.{layer}.ffn_up_exps.weight", "model.layers.{layer}.feed_forward.switch_mlp.up_proj.weight"),
+    ("blk.{layer}.ffn_down_exps.weight", "model.layers.{layer}.feed_forward.switch_mlp.down_proj.weight"),
+    # the router's bias, in our name: Hugging Face's (feed_forward.expert_bias) has no
+    # .bias suffix, which llama.cpp's converter adds
+    ("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.e_score_correction_bias"),
+)
+LFM2_KINDS = {"conv": "shortconv.in_proj.weight", "full_attention": "attn_q.weight"}
+
+
+def lfm2_keys(get, base: dict, tensors: dict) -> dict:
+    """LFM2Model writes head_count_kv per layer (0 on conv layers) and the feed-forward
+    width already derived (so no further adjusting)."""
+    n_layers = int(get("block_count"))
+    kinds = layer_kinds(tensors, n_layers, LFM2_KINDS, "lfm2")
+    kv_heads = get("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads]
+    first_conv = kinds.index("conv") if "conv" in kinds else None
+    return {
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": int(get("attention.head_count")),
+        "num_key_value_heads": int(max(kv_heads)),
+        "layer_types": kinds,
+        "norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 1000000.0)),
+        "max_position_embeddings": int(get("context_length", 128000)),
+        "conv_L_cache": int(get("shortconv.l_cache")),
+        "conv_bias": first_conv is not None and f"blk.{first_conv}.shortconv.in_proj.bias" in tensors,
+    }
+
+
+def lfm2moe_keys(get, base: dict, tensors: dict) -> dict:
+    """LFM2MoeModel: sigmoid routing (the only kind the family has); the dense layers come
+    first. llama.cpp scales the chosen weights by expert_weights_scale when a file sets it."""
+    if int(get("expert_gating_func") or 2) != 2:
+        raise UserError("GGUF lfm2moe with softmax expert gating is not supported (sigmoid only)")
+    n_dense = int(get("leading_dense_block_count") or 0)
+    return {
+        **lfm2_keys(get, base, tensors),
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "num_dense_layers": n_dense,
+        "first_k_dense_replace": n_dense,  # where gguf_file's expert check starts
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+    }
+
+
+def restore_lfm2(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The convolution's squeezed (channels, kernel) weight -> Hugging Face's (channels, 1, kernel)."""
+    if name.endswith("conv.conv.weight") and data.ndim == 2:
+        data = data[:, None, :]  # (channels, 1, kernel)
+    return {name: data}
+
+
+# -- Mamba-2 and Mamba: state-space layers -----------------------------------------------------
+
+BACKBONE_NAMES = (
+    ("token_embd.weight", "backbone.embeddings.weight"),
+    ("output_norm.{kind}", "backbone.norm_f.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+    ("blk.{layer}.ssm_a", "backbone.layers.{layer}.mixer.A_log"),
+    ("blk.{layer}.ssm_d", "backbone.layers.{layer}.mixer.D"),
+)
+MAMBA2_NAMES = BACKBONE_NAMES + (("blk.{layer}.ssm_dt.bias", "backbone.layers.{layer}.mixer.dt_bias"),) + layer_pairs(
+    "backbone.layers", [("attn_norm", "norm"), ("ssm_in", "mixer.in_proj"), ("ssm_conv1d", "mixer.conv1d"),
+                        ("ssm_norm", "mixer.norm"), ("ssm_out", "mixer.out_proj")])
+MAMBA_NAMES = BACKBONE_NAMES + layer_pairs(
+    "backbone.layers", [("attn_norm", "norm"), ("ssm_in", "mixer.in_proj"), ("ssm_conv1d", "mixer.conv1d"),
+                        ("ssm_x", "mixer.x_proj"), ("ssm_dt", "mixer.dt_proj"), ("ssm_out", "mixer.out_proj")])
+MAMBA_KINDS = {"mamba": "ssm_in.weight"}
+
+
+def ssm_keys(get, tensors: dict, arch: str) -> dict:
+    """What Mamba and Mamba-2 files share: the ssm.* widths, biases told by their tensors."""
+    n_layers = int(get("block_count"))
+    layer_kinds(tensors, n_layers, MAMBA_KINDS, arch)
+    return {
+        "hidden_size": int(get("embedding_length")),
+        "num_hidden_layers": n_layers,
+        "state_size": int(get("ssm.state_size")),
+        "conv_kernel": int(get("ssm.conv_kernel")),
+        "layer_norm_epsilon": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "blk.0.ssm_in.bias" in tensors,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in tensors,
+    }
+
+
+def mamba2_keys(get, base: dict, tensors: dict) -> dict:
+    """Mamba2Model writes the heads as ssm.time_step_rank (one dt per head)."""
+    keys = ssm_keys(get, tensors, "mamba2")
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    return {**keys, "num_heads": heads, "head_dim": inner // heads, "expand": inner / keys["hidden_size"],
+            "n_groups": int(get("ssm.group_count") or 1)}
+
+
+def mamba_keys(get, base: dict, tensors: dict) -> dict:
+    """MambaModel: ssm.dt_b_c_rms marks Falcon-Mamba (RMS-normed B, C and dt)."""
+    keys = ssm_keys(get, tensors, "mamba")
+    return {**keys, "intermediate_size": int(get("ssm.inner_size")), "time_step_rank": int(get("ssm.time_step_rank")),
+            "use_bcdt_rms": bool(get("ssm.dt_b_c_rms") or False)}
+
+
+def restore_ssm(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """Undo the converter: A = -exp(A_log) -> A_log; Mamba-2's (heads, 1) A and D and
+    grouped norm -> flat; squeezed conv weights -> (channels, 1, kernel)."""
+    flat = config["model_type"] == "mamba2"
+    if name.endswith(".A_log"):
+        data = np.log(-np.asarray(data, dtype=np.float32))
+        return {name: data.reshape(-1) if flat else data}  # mamba2 (heads,), mamba (inner, state)
+    if flat and (name.endswith(".D") or name.endswith("mixer.norm.weight")):
+        return {name: np.asarray(data).reshape(-1)}  # (heads,) / (inner,)
+    if name.endswith("conv1d.weight") and data.ndim == 2:
+        return {name: data[:, None, :]}  # (channels, 1, kernel)
+    return {name: data}
+
+
+def standalone(model_type: str, hf_architecture: str, names, config, restore) -> dict:
+    return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config,
+                restore=restore, standalone=True)
+
+
+HYBRID_ARCHITECTURES = {
+    "lfm2": standalone("lfm2", "Lfm2ForCausalLM", LFM2_NAMES, lfm2_keys, restore_lfm2),
+    "lfm2moe": standalone("lfm2_moe", "Lfm2MoeForCausalLM", LFM2_NAMES, lfm2moe_keys, restore_lfm2),
+    "mamba2": standalone("mamba2", "Mamba2ForCausalLM", MAMBA2_NAMES, mamba2_keys, restore_ssm),
+    "mamba": standalone("mamba", "MambaForCausalLM", MAMBA_NAMES, mamba_keys, restore_ssm),
+}
