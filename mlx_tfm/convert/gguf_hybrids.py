@@ -1,5 +1,6 @@
 """llama.cpp's GGUF files of the hybrid families: short convolutions (lfm2, lfm2moe) and
-state-space models (mamba2, mamba), read back into their Hugging Face checkpoints.
+state-space models (mamba2, mamba; beside attention: granitehybrid, nemotron_h), read back
+into their Hugging Face checkpoints.
 
 Each row of ``HYBRID_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
 (``gguf_file.py`` builds them): the tensor-name table, a config reader that builds the
@@ -9,7 +10,10 @@ whole Hugging Face config (these files carry no llama-shaped attention metadata)
 - the depthwise convolutions' weights (channels, 1, kernel) are stored squeezed;
 - Mamba's ``A_log`` is stored as ``A = -exp(A_log)`` (``ssm_a``), Mamba-2's A and D with a
   trailing axis of 1, its gated norm's weight grouped (groups, inner / groups);
-- Mamba-2's ``dt_bias`` is named as a ``dt_proj`` bias (``ssm_dt.bias``).
+- Mamba-2's ``dt_bias`` is named as a ``dt_proj`` bias (``ssm_dt.bias``);
+- Granite 4's fused expert and shared-MLP ``input_linear`` are split into gate and up (read
+  back in the split names the families' loaders take), and its and Nemotron-H's attention
+  q/k rows permuted as a Llama's (``permuted_qk``), though neither rotates.
 
 Which kind each layer is comes from its tensors (a layer with ``shortconv.in_proj`` is a
 convolution); a layer that holds none of the kinds the family knows is an error naming it.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UserError
+from .llama2c import interleaved_to_half_split
 
 NamePair = tuple[str, str]  # (llama.cpp template, Hugging Face template), as gguf_file.py's
 
@@ -173,15 +178,138 @@ def mamba_keys(get, base: dict, tensors: dict) -> dict:
 def restore_ssm(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
     """Undo the converter: A = -exp(A_log) -> A_log; Mamba-2's (heads, 1) A and D and
     grouped norm -> flat; squeezed conv weights -> (channels, 1, kernel)."""
-    flat = config["model_type"] == "mamba2"
+    flat = config["model_type"] != "mamba"  # Mamba-2 mixers
     if name.endswith(".A_log"):
         data = np.log(-np.asarray(data, dtype=np.float32))
         return {name: data.reshape(-1) if flat else data}  # mamba2 (heads,), mamba (inner, state)
-    if flat and (name.endswith(".D") or name.endswith("mixer.norm.weight")):
+    if flat and name.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
         return {name: np.asarray(data).reshape(-1)}  # (heads,) / (inner,)
     if name.endswith("conv1d.weight") and data.ndim == 2:
         return {name: data[:, None, :]}  # (channels, 1, kernel)
     return {name: data}
+
+
+# -- Granite 4 (granitehybrid) and Nemotron-H: Mamba-2 layers beside attention ---------------
+
+MAMBA2_MIXER = [("ssm_in", "in_proj"), ("ssm_conv1d", "conv1d"), ("ssm_norm", "norm"), ("ssm_out", "out_proj")]
+
+
+def mamba2_mixer_names(prefix: str) -> tuple[NamePair, ...]:
+    """A Mamba-2 mixer at ``{prefix}.N.{block}``, ``prefix`` e.g. ``model.layers.{layer}.mamba``."""
+    return (
+        ("blk.{layer}.ssm_a", f"{prefix}.A_log"), ("blk.{layer}.ssm_d", f"{prefix}.D"),
+        ("blk.{layer}.ssm_dt.bias", f"{prefix}.dt_bias"),
+    ) + tuple((f"blk.{{layer}}.{g}.{{kind}}", f"{prefix}.{h}.{{kind}}") for g, h in MAMBA2_MIXER)
+
+
+GRANITE_HYBRID_NAMES = (
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.{kind}", "model.norm.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+) + mamba2_mixer_names("model.layers.{layer}.mamba") + layer_pairs("model.layers", [
+    ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"), ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate_inp", "block_sparse_moe.router.layer"),
+    # split as the converter splits input_linear; the names the family loader takes split
+    ("ffn_gate_exps", "block_sparse_moe.switch_mlp.gate_proj"), ("ffn_up_exps", "block_sparse_moe.switch_mlp.up_proj"),
+    ("ffn_down_exps", "block_sparse_moe.switch_mlp.down_proj"), ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_expert.up_proj"), ("ffn_down_shexp", "shared_mlp.output_linear"),
+    ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),  # no experts
+])
+ATTENTION_OR_MAMBA = {"mamba": "ssm_in.weight", "attention": "attn_q.weight"}
+
+
+def per_layer_heads(get, key: str) -> int:
+    """The largest of a per-layer list (0 on the layers without attention) or the one value."""
+    value = get(key)
+    return int(max(value) if isinstance(value, list) else value)
+
+
+def mamba2_beside_attention_keys(get, tensors: dict, prefix: str) -> dict:
+    """The Mamba-2 widths Granite 4 and Nemotron-H files share (``prefix`` Granite's
+    ``mamba_`` or Nemotron's none), and the attention heads."""
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": per_layer_heads(get, "attention.head_count_kv"),
+        "head_dim": int(get("attention.key_length") or hidden // n_heads),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        f"{prefix}n_groups": int(get("ssm.group_count") or 1),
+        "conv_kernel" if not prefix else "mamba_d_conv": int(get("ssm.conv_kernel")),
+        "ssm_state_size" if not prefix else "mamba_d_state": int(get("ssm.state_size")),
+        "use_conv_bias" if not prefix else "mamba_conv_bias": any(n.endswith("ssm_conv1d.bias") for n in tensors),
+    } | ({"mamba_num_heads": heads, "mamba_head_dim": inner // heads} if not prefix else
+         {"mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner / hidden})
+
+
+def granite_hybrid_keys(get, base: dict, tensors: dict) -> dict:
+    """GraniteHybridModel: Granite's multipliers (each written only when set), experts
+    beside a shared MLP (or that MLP alone), RoPE only where rope.scaling.finetuned says."""
+    n_layers = int(get("block_count"))
+    kinds = layer_kinds(tensors, n_layers, ATTENTION_OR_MAMBA, "granitehybrid")
+    n_experts = int(get("expert_count") or 0)
+    shared = get("expert_shared_feed_forward_length")
+    if shared is None and not n_experts:  # the dense MLP is the shared one, sized by its rows
+        shared = tensor_rows(tensors, "blk.0.ffn_up.weight")
+    keys = mamba2_beside_attention_keys(get, tensors, "mamba_")
+    return {
+        **keys,
+        "layer_types": kinds,
+        "intermediate_size": int(get("expert_feed_forward_length") or get("feed_forward_length")),
+        "shared_intermediate_size": int(shared or 0),
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": int(get("expert_used_count") or 0),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "attention_multiplier": float(get("attention.scale") or keys["head_dim"] ** -0.5),
+        "embedding_multiplier": float(get("embedding_scale") or 1.0),
+        "residual_multiplier": float(get("residual_scale") or 1.0),
+        "logits_scaling": float(get("logit_scale") or 1.0),
+        "position_embedding_type": "rope" if get("rope.scaling.finetuned") else "nope",
+        "mamba_proj_bias": "blk.0.ssm_in.bias" in tensors,
+    }
+
+
+NEMOTRON_H_NAMES = (
+    ("token_embd.weight", "backbone.embeddings.weight"),
+    ("output_norm.{kind}", "backbone.norm_f.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+) + mamba2_mixer_names("backbone.layers.{layer}.mixer") + layer_pairs("backbone.layers", [
+    ("attn_q", "mixer.q_proj"), ("attn_k", "mixer.k_proj"), ("attn_v", "mixer.v_proj"),
+    ("attn_output", "mixer.o_proj"), ("attn_norm", "norm"), ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj"),
+])
+# Nemotron-H's own pattern letters: Mamba-2, attention, MLP
+NEMOTRON_H_KINDS = {"M": "ssm_in.weight", "*": "attn_q.weight", "-": "ffn_up.weight"}
+
+
+def nemotron_h_keys(get, base: dict, tensors: dict) -> dict:
+    """NemotronHModel: feed_forward_length per layer (0 off the MLP layers), the pattern
+    the layers' tensors tell."""
+    n_layers = int(get("block_count"))
+    kinds = layer_kinds(tensors, n_layers, NEMOTRON_H_KINDS, "nemotron_h")
+    eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon") or 1e-5
+    return {
+        **mamba2_beside_attention_keys(get, tensors, ""),
+        "hybrid_override_pattern": "".join(kinds),
+        "intermediate_size": per_layer_heads(get, "feed_forward_length"),
+        "layer_norm_epsilon": float(eps),
+        "use_bias": "blk.0.ssm_in.bias" in tensors,
+        "mlp_bias": any(n.endswith("ffn_up.bias") for n in tensors),
+    }
+
+
+def restore_nemotron_h(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """As any Mamba-2 mixer's, and the attention's q/k rows permuted back (gguf_file's
+    permuted_qk looks for self_attn names; Nemotron-H's are mixer.*)."""
+    if name.endswith("mixer.q_proj.weight"):
+        return {name: interleaved_to_half_split(data, config["num_attention_heads"])}
+    if name.endswith("mixer.k_proj.weight"):
+        return {name: interleaved_to_half_split(data, config["num_key_value_heads"])}
+    return restore_ssm(name, data, config)
 
 
 def standalone(model_type: str, hf_architecture: str, names, config, restore) -> dict:
@@ -194,4 +322,8 @@ HYBRID_ARCHITECTURES = {
     "lfm2moe": standalone("lfm2_moe", "Lfm2MoeForCausalLM", LFM2_NAMES, lfm2moe_keys, restore_lfm2),
     "mamba2": standalone("mamba2", "Mamba2ForCausalLM", MAMBA2_NAMES, mamba2_keys, restore_ssm),
     "mamba": standalone("mamba", "MambaForCausalLM", MAMBA_NAMES, mamba_keys, restore_ssm),
+    "granitehybrid": {**standalone("granitemoehybrid", "GraniteMoeHybridForCausalLM", GRANITE_HYBRID_NAMES,
+                                   granite_hybrid_keys, restore_ssm), "permuted_qk": True},
+    "nemotron_h": standalone("nemotron_h", "NemotronHForCausalLM", NEMOTRON_H_NAMES, nemotron_h_keys,
+                             restore_nemotron_h),
 }

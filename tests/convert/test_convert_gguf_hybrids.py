@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import hf_logits, make_hf_model
+from fixtures.convert_helpers import half_split_to_interleaved, hf_logits, make_hf_model
 from test_convert_gguf import llama_cpp_tensor_names
 from test_convert_gguf_deepseek2 import byte_tokens
 
@@ -63,6 +63,57 @@ def mamba_hparams(writer, config: dict) -> None:
     writer.add_ssm_dt_b_c_rms(False)
 
 
+def attention_layers(config: dict) -> list[bool]:
+    """Which layers attend: Granite 4's layer_types, Nemotron-H's layers_block_type."""
+    kinds = config.get("layer_types") or config["layers_block_type"]
+    return [k in ("full_attention", "attention") for k in kinds]
+
+
+def hybrid_attention_hparams(writer, config: dict, inner: int, heads: int, groups: int, state: int, kernel: int) -> None:
+    """What GraniteHybridModel.set_gguf_parameters writes for both (Nemotron-H derives from
+    it): head_count_kv per layer (0 off attention), the Mamba-2 widths, no RoPE."""
+    attends = attention_layers(config)
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"] if "layer_types" in config else len(attends))
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if a else 0 for a in attends])
+    writer.add_rope_freq_base(config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_ssm_conv_kernel(kernel)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_rope_scaling_finetuned(False)  # hybrid Granite 4 and Nemotron-H: no RoPE
+
+
+def granitehybrid_hparams(writer, config: dict) -> None:
+    heads, head_dim = config["mamba_n_heads"], config["mamba_d_head"]
+    hybrid_attention_hparams(writer, config, heads * head_dim, heads, config["mamba_n_groups"],
+                             config["mamba_d_state"], config["mamba_d_conv"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_attention_scale(config["attention_multiplier"])
+    writer.add_embedding_scale(config["embedding_multiplier"])
+    writer.add_residual_scale(config["residual_multiplier"])
+    writer.add_logit_scale(config["logits_scaling"])
+    writer.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
+
+
+def nemotron_h_hparams(writer, config: dict) -> None:
+    heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
+    hybrid_attention_hparams(writer, config, heads * head_dim, heads, config["n_groups"], config["ssm_state_size"],
+                             config["conv_kernel"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_feed_forward_length([config["intermediate_size"] if k == "mlp" else 0
+                                    for k in config["layers_block_type"]])
+
+
 def ssm_hparams(writer, config: dict, inner: int) -> None:
     writer.add_context_length(2**20)
     writer.add_embedding_length(config["hidden_size"])
@@ -75,19 +126,26 @@ def ssm_hparams(writer, config: dict, inner: int) -> None:
     writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
 
 
+# Converters of the Llama lineage (GraniteHybridModel, NemotronHModel after it) permute q/k rows.
+PERMUTED_QK = ("granitemoehybrid", "nemotron_h")
+
+
 def llama_cpp_layout(name: str, w: np.ndarray, config: dict) -> tuple[str, np.ndarray]:
     """What the converters' modify_tensors do before naming: squeeze conv weights,
     A_log -> -exp(A_log), Mamba-2's A and D unsqueezed, its norm grouped, dt_bias named
     as a dt_proj bias, the expert bias as a bias."""
-    mamba2 = config["model_type"] == "mamba2"
+    mamba2 = config["model_type"] != "mamba"  # Mamba-2 mixers, where a family has any
     if w.ndim == 3 and (name.endswith("conv.conv.weight") or name.endswith("conv1d.weight")):
         w = w[:, 0, :]  # (channels, kernel)
     if name.endswith(".A_log"):
         w = -np.exp(w)
     if mamba2 and (name.endswith(".A_log") or name.endswith(".D")):
         w = w[:, None]  # (heads, 1)
-    if mamba2 and name.endswith("mixer.norm.weight"):
-        w = w.reshape(config["n_groups"], -1)  # (groups, inner / groups)
+    if mamba2 and name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
+        w = w.reshape(config.get("n_groups") or config["mamba_n_groups"], -1)  # (groups, inner / groups)
+    if name.endswith(("q_proj.weight", "k_proj.weight")) and config["model_type"] in PERMUTED_QK:
+        heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+        w = half_split_to_interleaved(w, heads)  # GraniteHybridModel's undo_permute (LlamaModel.permute)
     name = name.replace(".dt_bias", ".dt_proj.bias").replace(".expert_bias", ".expert_bias.bias")
     return name, np.ascontiguousarray(w)
 
@@ -97,9 +155,15 @@ def llama_cpp_tensors(arch, config: dict, weights: dict) -> dict[str, np.ndarray
     (experts, out, in) as LFM2MoeModel merges them."""
     import gguf
 
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(arch, 64)
     tensors, experts = {}, {}
     for name, w in weights.items():
+        if name.endswith("input_linear.weight"):  # Granite 4: gate rows, then up rows
+            gate_up = "exps" if w.ndim == 3 else "shexp"
+            half = w.shape[-2] // 2
+            tensors[f"blk.{name.split('.')[2]}.ffn_gate_{gate_up}.weight"] = np.ascontiguousarray(w[..., :half, :])
+            tensors[f"blk.{name.split('.')[2]}.ffn_up_{gate_up}.weight"] = np.ascontiguousarray(w[..., half:, :])
+            continue
         if ".experts." in name:  # model.layers.N.feed_forward.experts.E.wK.weight
             parts = name.split(".")
             experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = w
@@ -113,7 +177,8 @@ def llama_cpp_tensors(arch, config: dict, weights: dict) -> dict[str, np.ndarray
     return tensors
 
 
-HPARAMS = {"lfm2": lfm2_hparams, "lfm2moe": lfm2_hparams, "mamba2": mamba2_hparams, "mamba": mamba_hparams}
+HPARAMS = {"lfm2": lfm2_hparams, "lfm2moe": lfm2_hparams, "mamba2": mamba2_hparams, "mamba": mamba_hparams,
+           "granitehybrid": granitehybrid_hparams, "nemotron_h": nemotron_h_hparams}
 
 
 def write_hybrid_gguf(hf_folder, path, arch_name: str, edit=None) -> None:
@@ -152,6 +217,9 @@ CASES = {
     "mamba2": ("mamba2", "mamba2", {}),
     "mamba2_groups": ("mamba2", "mamba2", {"n_groups": 2}),
     "mamba": ("mamba", "mamba", {}),
+    # Granite 4's hybrid checkpoints use no positions (llama.cpp's granitehybrid applies none)
+    "granitemoehybrid": ("granitemoehybrid", "granitehybrid", {"position_embedding_type": "nope"}),
+    "nemotron_h": ("nemotron_h", "nemotron_h", {}),
 }
 
 
@@ -201,3 +269,19 @@ def test_hybrid_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
     for name, hf in read.items():
         assert gguf_name(hf, arch) == name
         assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
+
+
+@pytest.mark.parametrize("case, arch_name, hf_name_, ours", [
+    ("granitemoehybrid", "granitehybrid", "model.layers.1.self_attn.{}_proj.weight", "model.layers.1.self_attn.{}_proj.weight"),
+    ("nemotron_h", "nemotron_h", "backbone.layers.2.mixer.{}_proj.weight", "backbone.layers.2.mixer.{}_proj.weight"),
+])
+def test_permuted_qk_rows_are_put_back(case, arch_name, hf_name_, ours, tmp_path):
+    """Without positions the logits do not show llama.cpp's q/k row order: the weights do."""
+    make_hf_model(case, tmp_path / "hf", **CASES[case][2])
+    write_hybrid_gguf(tmp_path / "hf", tmp_path / "model.gguf", arch_name)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    theirs = mx.load(str(tmp_path / "hf" / "model.safetensors"))
+    converted = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    for projection in ("q", "k"):
+        np.testing.assert_array_equal(np.array(converted[ours.format(projection)]),
+                                      np.array(theirs[hf_name_.format(projection)]))
