@@ -1,5 +1,5 @@
 """llama.cpp's GGUF files of the hybrid families: short convolutions (lfm2, lfm2moe) and
-state-space models (mamba2, mamba; beside attention: granitehybrid, nemotron_h), read back
+state-space models (mamba2, mamba; beside attention: granitehybrid, falcon-h1, nemotron_h), read back
 into their Hugging Face checkpoints.
 
 Each row of ``HYBRID_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
@@ -13,7 +13,8 @@ whole Hugging Face config (these files carry no llama-shaped attention metadata)
 - Mamba-2's ``dt_bias`` is named as a ``dt_proj`` bias (``ssm_dt.bias``);
 - Granite 4's fused expert and shared-MLP ``input_linear`` are split into gate and up (read
   back in the split names the families' loaders take), and its and Nemotron-H's attention
-  q/k rows permuted as a Llama's (``permuted_qk``), though neither rotates.
+  q/k rows permuted as a Llama's (``permuted_qk``), though neither rotates;
+- Falcon-H1's muP multipliers are folded into its weights, so its config sets them all to 1.
 
 Which kind each layer is comes from its tensors (a layer with ``shortconv.in_proj`` is a
 convolution); a layer that holds none of the kinds the family knows is an error naming it.
@@ -312,6 +313,56 @@ def restore_nemotron_h(name: str, data: np.ndarray, config: dict) -> dict[str, n
     return restore_ssm(name, data, config)
 
 
+FALCON_H1_NAMES = (
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.{kind}", "model.final_layernorm.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+    # gguf's TensorNameMap holds the whole name, so the converter writes it without a suffix
+    ("blk.{layer}.ffn_norm", "model.layers.{layer}.pre_ff_layernorm.weight"),
+) + mamba2_mixer_names("model.layers.{layer}.mamba") + layer_pairs("model.layers", [
+    ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"), ("attn_norm", "input_layernorm"), ("ffn_gate", "feed_forward.gate_proj"),
+    ("ffn_up", "feed_forward.up_proj"), ("ffn_down", "feed_forward.down_proj"),
+])
+# FalconH1Model folds every muP multiplier into the weights it writes: read back, none is left.
+FALCON_H1_UNIT_MULTIPLIERS = {
+    "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "key_multiplier": 1.0, "attention_in_multiplier": 1.0,
+    "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0, "ssm_out_multiplier": 1.0,
+    "ssm_multipliers": [1.0] * 5, "mlp_multipliers": [1.0, 1.0],
+}
+
+
+def falcon_h1_keys(get, base: dict, tensors: dict) -> dict:
+    """FalconH1Model: attention and a Mamba-2 mixer in every layer (the gated norm only
+    when the checkpoint has one), the multipliers already in the weights."""
+    n_layers = int(get("block_count"))
+    layer_kinds(tensors, n_layers, {"attention and mamba": "ssm_in.weight"}, "falcon-h1")
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length") or hidden // n_heads),
+        "max_position_embeddings": int(get("context_length") or 4096),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "mamba_d_ssm": inner, "mamba_n_heads": heads, "mamba_d_head": inner // heads,
+        "mamba_d_state": int(get("ssm.state_size")), "mamba_n_groups": int(get("ssm.group_count") or 1),
+        "mamba_d_conv": int(get("ssm.conv_kernel")),
+        "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensors,
+        "mamba_proj_bias": "blk.0.ssm_in.bias" in tensors,
+        "projectors_bias": "blk.0.ssm_out.bias" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensors,
+        **FALCON_H1_UNIT_MULTIPLIERS,
+    }
+
+
 def standalone(model_type: str, hf_architecture: str, names, config, restore) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config,
                 restore=restore, standalone=True)
@@ -324,6 +375,7 @@ HYBRID_ARCHITECTURES = {
     "mamba": standalone("mamba", "MambaForCausalLM", MAMBA_NAMES, mamba_keys, restore_ssm),
     "granitehybrid": {**standalone("granitemoehybrid", "GraniteMoeHybridForCausalLM", GRANITE_HYBRID_NAMES,
                                    granite_hybrid_keys, restore_ssm), "permuted_qk": True},
+    "falcon-h1": standalone("falcon_h1", "FalconH1ForCausalLM", FALCON_H1_NAMES, falcon_h1_keys, restore_ssm),
     "nemotron_h": standalone("nemotron_h", "NemotronHForCausalLM", NEMOTRON_H_NAMES, nemotron_h_keys,
                              restore_nemotron_h),
 }

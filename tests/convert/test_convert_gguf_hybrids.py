@@ -114,6 +114,45 @@ def nemotron_h_hparams(writer, config: dict) -> None:
                                     for k in config["layers_block_type"]])
 
 
+def falcon_h1_hparams(writer, config: dict) -> None:
+    """Mamba2Model's keys as FalconH1Model overrides them, attention's beside them."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    writer.add_value_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_inner_size(config["mamba_d_ssm"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_time_step_rank(config["mamba_d_ssm"] // config["mamba_d_head"])
+    writer.add_ssm_group_count(config["mamba_n_groups"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def falcon_h1_folded(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    """FalconH1Model.modify_tensors: each muP multiplier folded into its weight, in_proj's
+    z, x, B, C, dt rows each by its ssm_multipliers entry."""
+    scales = [("down_proj", config["mlp_multipliers"][1]), ("gate_proj", config["mlp_multipliers"][0]),
+              ("k_proj", config["key_multiplier"] * config["attention_in_multiplier"]),
+              ("q_proj", config["attention_in_multiplier"]), ("v_proj", config["attention_in_multiplier"]),
+              ("o_proj", config["attention_out_multiplier"]), ("out_proj", config["ssm_out_multiplier"]),
+              ("in_proj", config["ssm_in_multiplier"]), ("lm_head", config["lm_head_multiplier"]),
+              ("embed_tokens", config["embedding_multiplier"])]
+    scale = next((m for part, m in scales if part in name), 1.0)
+    w = w * scale
+    if "in_proj" in name:
+        inner, groups = config["mamba_d_ssm"], config["mamba_n_groups"] * config["mamba_d_state"]
+        bounds = np.cumsum([0, inner, inner, groups, groups, w.shape[0] - 2 * inner - 2 * groups])
+        rows = np.concatenate([np.full(b - a, m) for a, b, m in zip(bounds, bounds[1:], config["ssm_multipliers"])])
+        w = w * rows[:, None].astype(np.float32)
+    return w
+
+
 def ssm_hparams(writer, config: dict, inner: int) -> None:
     writer.add_context_length(2**20)
     writer.add_embedding_length(config["hidden_size"])
@@ -134,6 +173,8 @@ def llama_cpp_layout(name: str, w: np.ndarray, config: dict) -> tuple[str, np.nd
     """What the converters' modify_tensors do before naming: squeeze conv weights,
     A_log -> -exp(A_log), Mamba-2's A and D unsqueezed, its norm grouped, dt_bias named
     as a dt_proj bias, the expert bias as a bias."""
+    if config["model_type"] == "falcon_h1":
+        w = falcon_h1_folded(name, w, config)
     mamba2 = config["model_type"] != "mamba"  # Mamba-2 mixers, where a family has any
     if w.ndim == 3 and (name.endswith("conv.conv.weight") or name.endswith("conv1d.weight")):
         w = w[:, 0, :]  # (channels, kernel)
@@ -178,7 +219,7 @@ def llama_cpp_tensors(arch, config: dict, weights: dict) -> dict[str, np.ndarray
 
 
 HPARAMS = {"lfm2": lfm2_hparams, "lfm2moe": lfm2_hparams, "mamba2": mamba2_hparams, "mamba": mamba_hparams,
-           "granitehybrid": granitehybrid_hparams, "nemotron_h": nemotron_h_hparams}
+           "granitehybrid": granitehybrid_hparams, "nemotron_h": nemotron_h_hparams, "falcon-h1": falcon_h1_hparams}
 
 
 def write_hybrid_gguf(hf_folder, path, arch_name: str, edit=None) -> None:
@@ -220,6 +261,7 @@ CASES = {
     # Granite 4's hybrid checkpoints use no positions (llama.cpp's granitehybrid applies none)
     "granitemoehybrid": ("granitemoehybrid", "granitehybrid", {"position_embedding_type": "nope"}),
     "nemotron_h": ("nemotron_h", "nemotron_h", {}),
+    "falcon_h1": ("falcon_h1", "falcon-h1", {}),
 }
 
 
