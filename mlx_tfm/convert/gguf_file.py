@@ -10,7 +10,9 @@ splits (``PRE_TOKENIZERS``).
 Architectures: one row of ``GGUF_ARCHITECTURES`` each, saying which Hugging Face model the
 file becomes, how llama.cpp's tensor names map onto its names, and what llama.cpp's
 converter did to the tensors that must be undone: Llama-lineage converters permute q/k
-rows into interleaved-RoPE order, Gemma's add 1 to every norm weight.
+rows into interleaved-RoPE order, Gemma's add 1 to every norm weight. The hybrid families'
+rows (short convolutions, Mamba and Mamba-2 mixers) live in ``gguf_hybrids.py``: they build
+their whole config and restore their tensors' layout (``GGUFArchitecture.restore``).
 
 Mixtures of experts (qwen3moe; Mixtral, which llama.cpp writes as a ``llama`` with
 ``expert_count`` set): llama.cpp stacks each projection's experts into one tensor,
