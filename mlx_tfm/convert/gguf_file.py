@@ -10,7 +10,9 @@ splits (``PRE_TOKENIZERS``).
 Architectures: one row of ``GGUF_ARCHITECTURES`` each, saying which Hugging Face model the
 file becomes, how llama.cpp's tensor names map onto its names, and what llama.cpp's
 converter did to the tensors that must be undone: Llama-lineage converters permute q/k
-rows into interleaved-RoPE order, Gemma's add 1 to every norm weight.
+rows into interleaved-RoPE order, Gemma's add 1 to every norm weight. The hybrid families'
+rows (short convolutions, Mamba and Mamba-2 mixers) live in ``gguf_hybrids.py``: they build
+their whole config and restore their tensors' layout (``GGUFArchitecture.restore``).
 
 Mixtures of experts (qwen3moe; Mixtral, which llama.cpp writes as a ``llama`` with
 ``expert_count`` set): llama.cpp stacks each projection's experts into one tensor,
@@ -40,6 +42,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
+from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
 
@@ -304,6 +307,10 @@ class GGUFArchitecture:
     config: Callable = field(default=no_keys)  # family config keys (see above)
     permuted_qk: bool = False  # llama.cpp's Llama-lineage converters store q/k rows interleaved
     norm_shift: float = 0.0  # Gemma: llama.cpp stores every norm weight plus this
+    # (Hugging Face name, data, config) -> {name: data}, undoing the converter's layout;
+    # None: split_fused_qkv. Hybrids (gguf_hybrids.py) restore A_log, conv weights...
+    restore: Callable | None = None
+    standalone: bool = False  # config builds the whole family config: no llama-shaped base
 
 
 GGUF_ARCHITECTURES = {
@@ -324,6 +331,7 @@ GGUF_ARCHITECTURES = {
     "nemotron": GGUFArchitecture("nemotron", "NemotronForCausalLM", UNGATED_PRE_NORM_NAMES, nemotron_keys,
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
+    **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
 }
 
 
@@ -364,24 +372,14 @@ def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
     family = GGUF_ARCHITECTURES[arch]
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     try:
-        n_heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
         config = {
             "architectures": [family.hf_architecture],
             "model_type": family.model_type,
-            "hidden_size": hidden,
-            "intermediate_size": int(get("feed_forward_length")),
-            "num_hidden_layers": int(get("block_count")),
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-            "head_dim": int(get("attention.key_length", hidden // n_heads)),
             "vocab_size": int(tensors["token_embd.weight"].shape[1]),
-            "max_position_embeddings": int(get("context_length", 2048)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in tensors,
         }
+        if not family.standalone:
+            config.update(llama_base(get))
         config.update(family.config(get, config, tensors))
     except (TypeError, KeyError, ValueError) as e:
         raise UserError(f"GGUF metadata lacks what a {arch} model needs ({e})") from None
@@ -392,6 +390,24 @@ def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{key}"])
     return config
+
+
+def llama_base(get) -> dict:
+    """The config keys of llama-shaped metadata (every family but the hybrids)."""
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+    }
 
 
 def rope_scaling(get) -> dict | None:
@@ -567,10 +583,11 @@ def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
     tensors = {t.name: t for t in reader.tensors}
     exact = exact_type(tensors)
     shift = GGUF_ARCHITECTURES[arch].norm_shift
+    restore = GGUF_ARCHITECTURES[arch].restore or split_fused_qkv
     weights = {}
     for gguf_name, t in tensors.items():
         hf = hf_name(gguf_name, arch)
-        for name, data in split_fused_qkv(hf, unpermute_rows(t.data, hf, config, arch), config).items():
+        for name, data in restore(hf, unpermute_rows(t.data, hf, config, arch), config).items():
             kind = t.tensor_type.name
             if kind == exact and data.ndim in (2, 3):  # matrices and stacked experts
                 base = name.removesuffix(".weight")

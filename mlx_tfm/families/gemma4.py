@@ -56,7 +56,8 @@ def global_layer_shape(config: dict, layer_types: list[str]) -> dict:
         return {"global_head_dim": config.get("global_head_dim") or GLOBAL_HEAD_DIM,
                 "num_global_key_value_heads": kv_heads or 0}
     full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    shapes = {str(i): overrides.get(str(i), overrides.get(i, {})) for i in range(len(layer_types))}
+    overrides = {int(k): v for k, v in overrides.items()}  # keys zero-padded ("05") past 9 layers
+    shapes = {str(i): overrides.get(i, {}) for i in range(len(layer_types))}
     if any(shapes[str(i)] for i in range(len(layer_types)) if i not in full):
         raise UserError("gemma4 per_layer_config overrides a sliding layer; only full-attention layers may differ")
     if len({tuple(sorted(shapes[str(i)].items())) for i in full}) > 1:
