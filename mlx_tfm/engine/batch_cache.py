@@ -19,7 +19,9 @@ Because the rows end together, "the last ``window`` positions" are the same slot
 every row: a sliding window (or ``--max-kv-size``) is one bound on the slots kept, and
 memory stays bounded. A chunk of L new tokens per row is appended to every row at once
 (decoding: L = 1); a row with fewer tokens to feed pads its chunk at the end, and
-``drop_padding`` then moves those slots in front of its data.
+``drop_padding`` then moves those slots in front of its data. Llama 4's chunked-attention
+layers ask ``make_mask(L, chunk=...)``: each row's chunks are counted from its own
+position 0, read from its offset (slot s of row b holds position ``offset[b] - used + s``).
 """
 
 from __future__ import annotations
