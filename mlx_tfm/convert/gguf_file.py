@@ -169,6 +169,9 @@ def olmo2_keys(get, base: dict, tensors: dict) -> dict:
         "architectures": ["Olmo3ForCausalLM"],
         "sliding_window": int(window),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in pattern],
+        # llama.cpp rotates both layer types with the file's one base: say so per type, as
+        # an older-layout config would give the sliding layers transformers 5's default base
+        "rope_local_base_freq": base["rope_theta"],
     }
 
 

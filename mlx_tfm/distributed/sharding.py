@@ -22,7 +22,8 @@ only what it keeps.
 Only decoder-only models are split (encoders and T5 are refused with one line). A
 pipeline splits a stack with recurrent layers (LFM2's short convolutions...) like any
 other: each rank's layers make their own caches, a ``StateCache`` where the layer keeps
-a state. Tensor parallelism splits attention heads only, and refuses recurrent layers.
+a state. Tensor parallelism splits attention heads only, and refuses recurrent layers
+(Gated DeltaNet, Mamba, short convolutions), MLA and Falcon-H1's parallel Mamba mixer.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ def check_tensor_split(model: Model, size: int) -> None:
         layer, kind = recurrent[0]
         raise UserError(f"--tensor-parallel splits attention heads, and layer {layer} is a {kind!r} layer "
                         "(a recurrent state); use --pipeline")
+    unsplit = unsplit_attention_kind(args)
+    if unsplit:
+        raise UserError(f"--tensor-parallel splits the q, k and v projections of plain attention, and layer 0 is "
+                        f"{unsplit}; use --pipeline")
     counts = {"num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads}
     dense = any(not args.has_experts(i) for i in range(args.num_hidden_layers))
     if dense:
@@ -150,6 +155,17 @@ def check_tensor_split(model: Model, size: int) -> None:
     if args.qk_norm and args.qk_norm_scope == "projection":
         raise UserError("--tensor-parallel: this model normalises q and k over all heads at once, which a rank "
                         "holding some of the heads cannot do; use --pipeline")
+
+
+def unsplit_attention_kind(args) -> str | None:
+    """The attention layers' kind in words when it is not the plain q, k, v attention that
+    ``split_attention`` cuts (None when it is): MLA's keys and values come from one
+    latent every head shares, and Falcon-H1's attention has a Mamba-2 state beside it."""
+    if args.kv_lora_rank:
+        return "MLA (latent attention: keys and values expanded from a shared low-rank latent)"
+    if args.mamba_beside_attention:
+        return "attention with a Mamba-2 mixer beside it (a recurrent state)"
+    return None
 
 
 def check_columns(layer: nn.Module, size: int, name: str) -> None:

@@ -19,7 +19,9 @@ Because the rows end together, "the last ``window`` positions" are the same slot
 every row: a sliding window (or ``--max-kv-size``) is one bound on the slots kept, and
 memory stays bounded. A chunk of L new tokens per row is appended to every row at once
 (decoding: L = 1); a row with fewer tokens to feed pads its chunk at the end, and
-``drop_padding`` then moves those slots in front of its data.
+``drop_padding`` then moves those slots in front of its data. Llama 4's chunked-attention
+layers ask ``make_mask(L, chunk=...)``: each row's chunks are counted from its own
+position 0, read from its offset (slot s of row b holds position ``offset[b] - used + s``).
 """
 
 from __future__ import annotations
@@ -195,11 +197,14 @@ class BatchKVCache(BatchCache):
         self.used -= slot
         self.starts = [max(0, start - slot) for start in self.starts]
 
-    def make_mask(self, length: int, window: int | None = None):
+    def make_mask(self, length: int, window: int | None = None, chunk: int | None = None):
         """Mask for ``length`` new queries per row: causal, within the window, and never
         on a row's empty slots. None or "causal" when the rows are aligned; when they
         differ, (B, 1, 1, S) for one query, ``CausalRows`` for a chunk without a window,
-        else (B, 1, L, S)."""
+        else (B, 1, L, S). With ``chunk`` (Llama 4's chunked attention), see
+        ``chunked_mask``."""
+        if chunk is not None:
+            return self.chunked_mask(length, chunk)
         windows = [w for w in (window, self.window) if w is not None]
         window = min(windows) if windows else None
         total = self.used + length
@@ -217,6 +222,22 @@ class BatchKVCache(BatchCache):
         if window is None and length > 1:
             return CausalRows((slots[None] >= starts)[:, None])  # rows (B, 1, 1, S)
         return (visible[None] & (slots[None] >= starts))[:, None]  # (B, 1, L, S)
+
+    def chunked_mask(self, length: int, chunk: int) -> mx.array:
+        """(B, 1, L, S) for ``length`` new queries of a chunked-attention layer: a query
+        sees its own row's keys up to itself in the same chunk of ``chunk`` positions,
+        the chunks counted from each row's own position 0 (slot s of row b holds position
+        ``offset[b] - used + s``: the rows end together)."""
+        total = self.used + length
+        slots = mx.arange(total)
+        keys = self.offset[:, None] - self.used + slots[None]  # (B, S) each slot's position in its row
+        queries = self.offset[:, None] + mx.arange(length)[None]  # (B, L)
+        keys, queries = keys[:, None, :], queries[:, :, None]  # (B, 1, S), (B, L, 1)
+        visible = (keys <= queries) & (keys // chunk == queries // chunk)
+        visible = visible & (slots >= mx.array(self.starts)[:, None])[:, None, :]  # never a row's empty slots
+        if self.window is not None:
+            visible = visible & (queries - keys < self.window)
+        return visible[:, None]  # (B, 1, L, S)
 
     @property
     def nbytes(self) -> int:

@@ -11,14 +11,19 @@ state every recurrent layer starts from.
 
 It is also what the layer's mixer is called with: ``cache[i]`` reads and writes state
 array i of all rows, ``advance(L)`` moves every row on by L.
+
+``BatchParallelCache`` batches Falcon-H1's ``ParallelCache`` (attention and a Mamba-2
+mixer side by side in one layer) as a ``BatchKVCache`` beside a ``BatchStateCache``.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ..model.cache import KVCache
+from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
-from .batch_cache import BatchCache, register_batch_cache
+from .batch_cache import BatchCache, BatchKVCache, batch_cache_for, register_batch_cache
 
 
 class BatchStateCache(BatchCache):
@@ -103,18 +108,82 @@ class BatchStateCache(BatchCache):
         return sum(a.nbytes for a in self.arrays if a is not None)
 
 
-def row_states(caches: list[BatchCache], row: int) -> dict[int, StateCache]:
+class BatchParallelCache(BatchCache):
+    """The batched ``ParallelCache`` (Falcon-H1: attention with a Mamba-2 mixer beside it in
+    one layer): a ``BatchKVCache`` and a ``BatchStateCache`` over the same B rows, which
+    the block hands to its two mixers as ``attention`` and ``mamba``. Positions and masks
+    are the attention's; the state beside it folds in every input, so, as any recurrent
+    layer, it is never padded (``takes_padding`` False)."""
+
+    takes_padding = False
+
+    def __init__(self, attention: BatchKVCache, mamba: BatchStateCache):
+        self.attention, self.mamba = attention, mamba
+
+    @property
+    def offset(self) -> mx.array:
+        return self.attention.offset
+
+    @property
+    def size(self) -> int:
+        return self.attention.size
+
+    def make_mask(self, length: int, window: int | None = None):
+        return self.attention.make_mask(length, window)
+
+    def row_from(self, single: ParallelCache | None, length: int) -> "BatchParallelCache | None":
+        attention = self.attention.row_from(None if single is None else single.attention, length)
+        mamba = self.mamba.row_from(None if single is None else single.mamba, length)
+        return None if attention is None or mamba is None else BatchParallelCache(attention, mamba)
+
+    def select(self, rows: list[int]) -> "BatchParallelCache":
+        return BatchParallelCache(self.attention.select(rows), self.mamba.select(rows))
+
+    def extend(self, *others: "BatchParallelCache") -> None:
+        self.attention.extend(*(other.attention for other in others))
+        self.mamba.extend(*(other.mamba for other in others))
+
+    def drop_padding(self, pads: list[int]) -> None:
+        self.mamba.drop_padding(pads)  # refuses any padding: the state cannot give it back
+
+    def holds_all(self, row: int, length: int) -> bool:
+        return self.attention.holds_all(row, length) and self.mamba.holds_all(row, length)
+
+    def export_row(self, row: int, into: ParallelCache) -> None:
+        self.attention.export_row(row, into.attention)
+        self.mamba.export_row(row, into.mamba)
+
+    @property
+    def state(self) -> tuple:
+        return (*self.attention.state, *self.mamba.state)
+
+    @property
+    def nbytes(self) -> int:
+        return self.attention.nbytes + self.mamba.nbytes
+
+
+def row_states(caches: list[BatchCache], row: int) -> dict[int, StateCache | ParallelCache]:
     """Row ``row``'s recurrent layers (layer index -> its state as a single-sequence
-    ``StateCache``): a snapshot of them where the row is now."""
+    ``StateCache``, or a ``ParallelCache`` with the attention beside it): a snapshot of
+    them where the row is now."""
     states = {}
     for i, layer in enumerate(caches):
         if isinstance(layer, BatchStateCache):
             states[i] = StateCache(len(layer.arrays))
-            layer.export_row(row, states[i])
+        elif isinstance(layer, BatchParallelCache):
+            states[i] = ParallelCache(KVCache(), StateCache(len(layer.mamba.arrays)))
+        else:
+            continue
+        layer.export_row(row, states[i])
     return states
 
 
+def batch_parallel_cache(layer: ParallelCache) -> BatchParallelCache:
+    return BatchParallelCache(batch_cache_for(layer.attention), batch_cache_for(layer.mamba))
+
+
 register_batch_cache(StateCache, lambda layer: BatchStateCache(len(layer.arrays)))
+register_batch_cache(ParallelCache, batch_parallel_cache)
 
 
-__all__ = ["BatchStateCache", "row_states"]
+__all__ = ["BatchStateCache", "BatchParallelCache", "row_states"]

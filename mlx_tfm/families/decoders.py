@@ -135,7 +135,8 @@ def olmo3_args(config: dict) -> dict:
     args = olmo2_args({"rope_theta": OLMO3_DEFAULT_THETA, **config})
     return {
         **args,
-        "rope_local_theta": args.get("rope_local_theta", OLMO3_DEFAULT_THETA),
+        # a GGUF file's one base arrives as rope_local_base_freq (convert/gguf_file.py)
+        "rope_local_theta": args.get("rope_local_theta", config.get("rope_local_base_freq", OLMO3_DEFAULT_THETA)),
         "sliding_window": config.get("sliding_window", 4096),
         "layer_types": config.get("layer_types") or three_in_four,
     }

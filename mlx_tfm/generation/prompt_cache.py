@@ -1,7 +1,8 @@
 """Prompt-cache files: a list of layer caches written to one .safetensors file (their
 arrays, the kinds and settings of the caches as metadata) and read back. A recurrent
 layer's ``StateCache`` is stored as its state arrays (``{layer}.state.{j}``) and its
-``meta_state`` (size and offset).
+``meta_state`` (size and offset); Falcon-H1's ``ParallelCache`` as its attention's keys and
+values and its state's arrays under the layer's one index, with both metas.
 
 ``TokenCache`` (``token_cache.py``) adds the token ids and the model's fingerprint, so a
 file is only reused with the model and tokens it was made from.
@@ -20,6 +21,7 @@ from ..model.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
+from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
 
 QUANTIZED_PARTS = ("data", "scales", "biases")  # QuantizedKV's arrays, as named in prompt-cache files
@@ -33,17 +35,31 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
 
     arrays = {}
     for i, layer_cache in enumerate(cache):
-        if isinstance(layer_cache, StateCache):
-            arrays.update({f"{i}.state.{j}": a for j, a in enumerate(layer_cache.state)})
-            continue
-        for name, stored in zip(("keys", "values"), layer_cache.state):
-            if isinstance(stored, QuantizedKV):
-                arrays.update({f"{i}.{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, stored.arrays)})
-            else:
-                arrays[f"{i}.{name}"] = stored
+        if isinstance(layer_cache, ParallelCache):  # keys and values, and the state beside them
+            arrays.update(attention_arrays(i, layer_cache.attention))
+            arrays.update(state_arrays(i, layer_cache.mamba))
+        elif isinstance(layer_cache, StateCache):
+            arrays.update(state_arrays(i, layer_cache))
+        else:
+            arrays.update(attention_arrays(i, layer_cache))
     info = {"layers": json.dumps([c.meta_state for c in cache]), **(metadata or {})}
     with atomic_file(path) as tmp:
         mx.save_safetensors(str(tmp), arrays, metadata=info)
+
+
+def state_arrays(layer: int, state: StateCache) -> dict[str, mx.array]:
+    return {f"{layer}.state.{j}": a for j, a in enumerate(state.state)}
+
+
+def attention_arrays(layer: int, attention) -> dict[str, mx.array]:
+    """An attention cache's keys and values (a quantized one's parts each) by file name."""
+    arrays = {}
+    for name, stored in zip(("keys", "values"), attention.state):
+        if isinstance(stored, QuantizedKV):
+            arrays.update({f"{layer}.{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, stored.arrays)})
+        else:
+            arrays[f"{layer}.{name}"] = stored
+    return arrays
 
 
 def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
@@ -54,29 +70,38 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
     layers = json.loads(metadata.pop("layers"))
     cache = []
     for i, meta in enumerate(layers):
-        if meta["kind"] == "StateCache":
+        if meta["kind"] == "ParallelCache":
+            cache.append(ParallelCache(attention_cache_from_file(arrays, i, meta["attention"]),
+                                       state_cache_from_file(arrays, i, meta["mamba"])))
+        elif meta["kind"] == "StateCache":
             cache.append(state_cache_from_file(arrays, i, meta))
-            continue
-        if meta["kind"] == "RotatingKVCache":
-            layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
-        elif meta["kind"] == "QuantizedKVCache":
-            group_size = None if meta["group_size"] is None else int(meta["group_size"])  # None: not quantized yet
-            quantization = KVQuantization(int(meta["bits"]), group_size, int(meta["start"]))
-            layer_cache = QuantizedKVCache(quantization)
         else:
-            layer_cache = KVCache()
-        if f"{i}.keys" in arrays:
-            layer_cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
-        elif f"{i}.keys.data" in arrays:
-            layer_cache.state = tuple(
-                QuantizedKV(*(arrays[f"{i}.{name}.{part}"] for part in QUANTIZED_PARTS), quantization.group_size,
-                            quantization.bits)
-                for name in ("keys", "values")
-            )
-        if meta["kind"] == "RotatingKVCache":
-            layer_cache.meta_state = meta
-        cache.append(layer_cache)
+            cache.append(attention_cache_from_file(arrays, i, meta))
     return cache, metadata
+
+
+def attention_cache_from_file(arrays: dict, i: int, meta: dict):
+    """Layer ``i``'s attention cache of the kind ``meta`` names, holding its stored keys
+    and values (none before it was written)."""
+    if meta["kind"] == "RotatingKVCache":
+        layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
+    elif meta["kind"] == "QuantizedKVCache":
+        group_size = None if meta["group_size"] is None else int(meta["group_size"])  # None: not quantized yet
+        quantization = KVQuantization(int(meta["bits"]), group_size, int(meta["start"]))
+        layer_cache = QuantizedKVCache(quantization)
+    else:
+        layer_cache = KVCache()
+    if f"{i}.keys" in arrays:
+        layer_cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+    elif f"{i}.keys.data" in arrays:
+        layer_cache.state = tuple(
+            QuantizedKV(*(arrays[f"{i}.{name}.{part}"] for part in QUANTIZED_PARTS), quantization.group_size,
+                        quantization.bits)
+            for name in ("keys", "values")
+        )
+    if meta["kind"] == "RotatingKVCache":
+        layer_cache.meta_state = meta
+    return layer_cache
 
 
 def state_cache_from_file(arrays: dict, layer: int, meta: dict) -> StateCache:

@@ -56,7 +56,7 @@ from .sampling import (
     log_normalizer,
 )
 from .step import check_finite, prefill
-from .token_cache import TokenCache, common_prefix_length
+from .token_cache import KEEPS_STATE, TokenCache, common_prefix_length
 
 MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
 
@@ -189,7 +189,7 @@ def fit_vocabulary(logits: mx.array, vocab_size: int) -> mx.array:
 
 def checkpoint(cache: list) -> dict[int, StateCache]:
     """Copies of the cache's recurrent layers (layer index -> state), to come back to."""
-    return {i: layer.copy() for i, layer in enumerate(cache) if isinstance(layer, StateCache)}
+    return {i: layer.copy() for i, layer in enumerate(cache) if isinstance(layer, KEEPS_STATE)}
 
 
 def settle(model, cache: list, base: int, tokens: list[int], keep_last: bool,

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..model.cache import KVQuantization, QuantizedKVCache, quantized_layers
+from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
 from .prompt_cache import load_prompt_cache, save_prompt_cache
 from .step import prefill
@@ -35,6 +36,9 @@ from .step import prefill
 DIGEST_SAMPLES = 64
 # Snapshots of recurrent layers a TokenCache keeps (the latest positions): chat's last few turns.
 MAX_SNAPSHOTS = 8
+# The layer caches that keep a recurrent state, which no trim takes back: a recurrent
+# layer's own, and Falcon-H1's attention with a Mamba-2 state beside it.
+KEEPS_STATE = (StateCache, ParallelCache)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -82,7 +86,7 @@ class TokenCache:
         self.layers = layers if layers is not None else self._new_layers()
         self.tokens: list[int] = list(tokens)
         # position -> {layer index: a copy of that recurrent layer's StateCache there}
-        self.snapshots: dict[int, dict[int, StateCache]] = {}
+        self.snapshots: dict[int, dict[int, StateCache | ParallelCache]] = {}
 
     def _new_layers(self) -> list:
         return quantized_layers(self.model.make_cache(max_kv_size=self.max_kv_size), self.kv_quantization)
@@ -105,7 +109,7 @@ class TokenCache:
     def snapshot(self) -> None:
         """Keep copies of the recurrent layers' states as they are now (at ``len(tokens)``),
         so that ``prepare`` can go back here; nothing to keep when every layer trims."""
-        recurrent = {i: layer.copy() for i, layer in enumerate(self.layers) if isinstance(layer, StateCache)}
+        recurrent = {i: layer.copy() for i, layer in enumerate(self.layers) if isinstance(layer, KEEPS_STATE)}
         if not recurrent or self.offset != len(self.tokens):
             return
         self.snapshots[len(self.tokens)] = recurrent
@@ -114,7 +118,7 @@ class TokenCache:
 
     def has_states(self) -> bool:
         """Whether some layer keeps a recurrent state (which no trim can take back)."""
-        return any(isinstance(layer, StateCache) for layer in self.layers)
+        return any(isinstance(layer, KEEPS_STATE) for layer in self.layers)
 
     def feed_to_snapshot(self, feed: list[int]) -> list[int]:
         """With recurrent layers: feed all of ``feed`` but its last token now, record it and
@@ -149,7 +153,7 @@ class TokenCache:
         snapshots here (its own snapshots too), so that its positions stay resumable."""
         if not self.has_states():
             return
-        states = {i: layer for i, layer in enumerate(other.layers) if isinstance(layer, StateCache)}
+        states = {i: layer for i, layer in enumerate(other.layers) if isinstance(layer, KEEPS_STATE)}
         self.snapshots = {**other.snapshots, len(other.tokens): states, **self.snapshots}
 
     def rewind(self, length: int) -> int:
@@ -217,7 +221,7 @@ class TokenCache:
         """An independent copy: feeding either never changes the other."""
         layers = []
         for layer in self.layers:
-            if isinstance(layer, (QuantizedKVCache, StateCache)):
+            if isinstance(layer, (QuantizedKVCache, *KEEPS_STATE)):
                 layers.append(layer.copy())
                 continue
             twin = type(layer).__new__(type(layer))
@@ -259,14 +263,20 @@ class TokenCache:
 
 
 def check_layout(path: Path, layers: list, model) -> None:
-    """One line naming the first layer whose saved kind (a recurrent state or keys and
-    values) is not what this model's layer keeps."""
+    """One line naming the first layer whose saved kind (a recurrent state, keys and
+    values, or both) is not what this model's layer keeps."""
     expected = model.make_cache()  # another number of layers: the fingerprint check names it
     for i, (saved, own) in enumerate(zip(layers, expected)):
-        if isinstance(saved, StateCache) != isinstance(own, StateCache):
-            kinds = {True: "a recurrent state", False: "keys and values"}
-            raise UserError(f"{path} holds {kinds[isinstance(saved, StateCache)]} for layer {i}, but this model's "
-                            f"layer {i} keeps {kinds[isinstance(own, StateCache)]}: it was written for another layout")
+        if layout_kind(saved) != layout_kind(own):
+            raise UserError(f"{path} holds {layout_kind(saved)} for layer {i}, but this model's "
+                            f"layer {i} keeps {layout_kind(own)}: it was written for another layout")
 
 
-__all__ = ["TokenCache", "common_prefix_length", "model_fingerprint"]
+def layout_kind(layer) -> str:
+    """What a layer cache keeps, in words."""
+    if isinstance(layer, ParallelCache):
+        return "keys and values beside a recurrent state"
+    return "a recurrent state" if isinstance(layer, StateCache) else "keys and values"
+
+
+__all__ = ["TokenCache", "KEEPS_STATE", "common_prefix_length", "model_fingerprint"]

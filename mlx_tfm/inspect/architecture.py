@@ -155,14 +155,24 @@ def vector_bytes(head_dim: int, dtype_bytes: int | None = None, bits: int | None
     return head_dim * bits // 8 + 2 * SCALE_BYTES * (head_dim // group)
 
 
+def kv_position_bytes(args: ModelArgs, dtype_bytes: int | None = 2, bits: int | None = None) -> int | None:
+    """Bytes one position adds to one attention layer's cache: a key and a value per KV
+    head; for MLA the normed latent and the rotary key it caches, one each for all heads
+    (None: a quantized layout no group size fits)."""
+    if args.kv_lora_rank:
+        vectors = [vector_bytes(width, dtype_bytes, bits) for width in (args.kv_lora_rank, args.qk_rope_head_dim)]
+        return None if None in vectors else sum(vectors)
+    vector = vector_bytes(args.head_dim, dtype_bytes, bits)
+    return None if vector is None else 2 * args.num_key_value_heads * vector
+
+
 def kv_cache_bytes(args: ModelArgs, context: int, dtype_bytes: int | None = 2, bits: int | None = None) -> dict:
     """``{"per_token": ..., "at_context": ...}``: the bytes one more position adds while
     every layer still grows, and the bytes after ``context`` positions (None: a quantized
     layout no group size fits)."""
-    vector = vector_bytes(args.head_dim, dtype_bytes, bits)
-    if vector is None:
+    per_position = kv_position_bytes(args, dtype_bytes, bits)
+    if per_position is None:
         return {"per_token": None, "at_context": None}
-    per_position = 2 * args.num_key_value_heads * vector  # a key and a value per KV head
     attention_layers = sum(kind in ATTENTION_TYPES for kind in args.layer_types)
     return {"per_token": per_position * attention_layers,
             "at_context": per_position * sum(positions_held(args, context))}
@@ -182,5 +192,5 @@ def flops_per_token(args: ModelArgs, parts: list[Part], position: int) -> int:
     return 2 * matrix_weights(args, parts) + 4 * args.num_attention_heads * args.head_dim * attended
 
 
-__all__ = ["summary", "differences", "describe_architecture", "kv_cache_bytes", "kv_group_size",
+__all__ = ["summary", "differences", "describe_architecture", "kv_cache_bytes", "kv_position_bytes", "kv_group_size",
            "matrix_weights", "flops_per_token"]

@@ -1,5 +1,5 @@
-"""Parameters and cache bytes per layer kind (attention, LFM2's short convolutions, any
-recurrent mixer of ``mlx_tfm.model.mixers``).
+"""Parameters and cache bytes per layer kind (attention, MLA's latents, LFM2's short
+convolutions, Gated DeltaNet, Mamba, any recurrent mixer of ``mlx_tfm.model.mixers``).
 
 An attention layer's cache grows with every position it holds (``architecture.
 kv_cache_bytes``); a recurrent layer's is a fixed-size state, the same at position 10 as
@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..model.mixers import ATTENTION_TYPES, mixer_kind
-from .architecture import positions_held, vector_bytes
+from .architecture import kv_position_bytes, positions_held
 from .parts import Part
 
 
@@ -36,22 +36,38 @@ def layer_kinds(model, parts: list[Part], context: int, dtype_bytes: int = 2) ->
     (``dtype_bytes`` a number, as float16: 2)."""
     args = model.args
     held = positions_held(args, context)
-    kv_position = 2 * args.num_key_value_heads * vector_bytes(args.head_dim, dtype_bytes)  # a key and a value
+    kv_position = kv_position_bytes(args, dtype_bytes)  # keys and values, or MLA's latent and rotary key
     rows = []
     for kind in dict.fromkeys(args.layer_types):
         layers = [i for i, t in enumerate(args.layer_types) if t == kind]
         attribute = mixer_kind(kind).attribute
         in_layers = [p for p in parts if p.layer in layers]
         recurrent = kind not in ATTENTION_TYPES
+        beside = state_beside_bytes(model, layers[0]) if not recurrent else 0
         per_layer = (state_bytes(model.layers[layers[0]].mixer, args.hidden_size) if recurrent
-                     else max(held[i] for i in layers) * kv_position)
+                     else max(held[i] for i in layers) * kv_position + beside)
         rows.append({
             "kind": kind, "layers": len(layers), "recurrent": recurrent,
-            "mixer_parameters": sum(p.parameters for p in in_layers if p.name_in_block.startswith(attribute + ".")),
+            "mixer_parameters": sum(p.parameters for p in in_layers if in_mixer(p.name_in_block, attribute)),
             "block_parameters": sum(p.parameters for p in in_layers),
             "cache_bytes_per_layer": per_layer,
+            "state_bytes_beside_attention": beside,
         })
     return rows
+
+
+def in_mixer(name_in_block: str, attribute: str) -> bool:
+    """Whether a block's part belongs to its mixer: the mixer's own arrays (Mamba's
+    ``A_log``, ``D``, DeltaNet's ``dt_bias``) or a module inside it."""
+    return name_in_block == attribute or name_in_block.startswith(attribute + ".")
+
+
+def state_beside_bytes(model, layer: int) -> int:
+    """Bytes of the fixed state of the Mamba-2 mixer an attention layer has beside it
+    (Falcon-H1; 0 without one), which its cache keeps with the keys and values."""
+    if not model.args.mamba_beside_attention:
+        return 0
+    return state_bytes(model.layers[layer].mamba, model.args.hidden_size)
 
 
 __all__ = ["layer_kinds", "state_bytes"]

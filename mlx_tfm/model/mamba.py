@@ -159,6 +159,26 @@ class ParallelCache:
     def state(self) -> tuple:
         return (self.attention.state, self.mamba.state)
 
+    @state.setter
+    def state(self, value) -> None:
+        """``(attention's keys and values, the mixer's state arrays)``, as ``state`` gives
+        them; an empty part (nothing written yet) leaves that cache as it is."""
+        attention_state, mamba_state = value
+        if attention_state:
+            self.attention.state = attention_state
+        if mamba_state:
+            self.mamba.state = mamba_state
+
+    @property
+    def meta_state(self) -> dict:
+        return {"kind": "ParallelCache", "attention": self.attention.meta_state, "mamba": self.mamba.meta_state}
+
+    @meta_state.setter
+    def meta_state(self, meta: dict) -> None:
+        if meta["attention"]["kind"] != "KVCache":  # a plain KV cache has no settings to restore
+            self.attention.meta_state = meta["attention"]
+        self.mamba.meta_state = meta["mamba"]
+
     @property
     def nbytes(self) -> int:
         return self.attention.nbytes + self.mamba.nbytes

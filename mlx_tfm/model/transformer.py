@@ -23,7 +23,7 @@ from .experts_beside_mlp import add_modules as add_beside_experts
 from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
-from .local_attention import chunked_mask
+from .local_attention import layer_chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
 from .per_layer_inputs import add_per_layer_input, block_modules, per_layer_inputs, stack_modules
@@ -290,7 +290,7 @@ class TransformerModel(nn.Module):
             return [mask] * len(self.layers)
         if self.args.num_kv_shared_layers:  # a shared layer attends as its source does
             caches = [caches[source] for source in kv_sources(self.args)]
-        return [self._mask(length, c, w) if chunk is None else chunked_mask(c.offset if c is not None else 0, length, chunk)
+        return [self._mask(length, c, w) if chunk is None else layer_chunked_mask(c, length, chunk)
                 for c, w, chunk in zip(caches, self.windows, self.chunks)]
 
     def _biased_mask(self, mask, length: int, cache, dtype: mx.Dtype) -> mx.array:
