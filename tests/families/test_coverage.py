@@ -94,9 +94,9 @@ def test_unknown_type_names_the_closest_families(model_type, closest):
 
 
 def test_a_known_family_we_do_not_build_says_what_is_missing():
-    """MiniMax's lightning attention is refused by name."""
-    with pytest.raises(UserError, match=r"'minimax' \(not built yet: lightning attention"):
-        architecture_for({"model_type": "minimax"})
+    """Jamba, in the list of what is not built yet, is refused with the reason."""
+    with pytest.raises(UserError, match=r"'jamba' \(not built yet: Mamba layers between attention layers"):
+        architecture_for({"model_type": "jamba"})
 
 
 def test_nothing_close_names_no_closest(tmp_path, capsys):
