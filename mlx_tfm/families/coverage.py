@@ -87,3 +87,27 @@ def render_page(mlx_lm: set[str] | None = None, transformers: set[str] | None = 
     ]
     lines += ["| " + " | ".join(f"`{row[0]}`" if i == 0 else row[i] for i in range(5)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+README_START, README_END = "<!-- family table: python examples/family_table.py -->", "<!-- end of family table -->"
+
+
+def render_readme_table(mlx_lm: set[str] | None = None, transformers: set[str] | None = None) -> str:
+    """The README's summary of the same rows: per kind, the families built and how many
+    listed ones are not yet (their reasons are on docs/families.md)."""
+    mlx_lm = mlx_lm_model_types() if mlx_lm is None else mlx_lm
+    transformers = transformers_causal_lm_types() if transformers is None else transformers
+    rows = table_rows(mlx_lm, transformers)
+    lines = [README_START, "| kind | built (each checked against transformers) | not yet |", "|---|---|---|"]
+    for kind in ("dense", "MoE", "hybrid", "encoder", "encoder-decoder"):
+        of_kind = [row for row in rows if row[1] == kind]
+        built = [f"`{row[0]}`" for row in of_kind if row[4] == "yes"]
+        missing = len(of_kind) - len(built)
+        lines.append(f"| {kind} | {', '.join(built)} | [{missing}](docs/families.md) |")
+    return "\n".join([*lines, README_END])
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    """``readme`` with the text between the family-table markers replaced by ``table``."""
+    start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
+    return readme[:start] + table + readme[end:]

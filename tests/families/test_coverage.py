@@ -15,7 +15,14 @@ from fixtures.encoder_models import T5_MODEL_TYPES, TINY_ENCODERS
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.families import ARCHITECTURES, architecture_for
-from mlx_tfm.families.coverage import mlx_lm_model_types, render_page, table_rows, transformers_causal_lm_types
+from mlx_tfm.families.coverage import (
+    mlx_lm_model_types,
+    render_page,
+    render_readme_table,
+    table_rows,
+    transformers_causal_lm_types,
+    with_readme_table,
+)
 from mlx_tfm.families.not_yet import KINDS, NOT_YET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +65,11 @@ def test_not_yet_holds_no_built_type_and_no_unlisted_one(listed):
 
 def test_the_page_is_up_to_date(listed):
     assert PAGE.read_text() == render_page(*listed), "run: python examples/family_table.py"
+
+
+def test_the_readme_table_is_up_to_date(listed):
+    readme = (ROOT / "README.md").read_text()
+    assert readme == with_readme_table(readme, render_readme_table(*listed)), "run: python examples/family_table.py"
 
 
 def test_a_new_family_without_a_line_is_refused(listed):
