@@ -144,18 +144,14 @@ class Stopped(Exception):
 
 
 class SizedEntry:
-    """A prefix cache entry (``TokenCache``) counted by the bytes the whole cluster holds for it."""
+    """A prefix cache entry (``TokenCache``) counted by the bytes the whole cluster holds
+    for it; everything else (its tokens, layers, snapshots, ``resumable``...) is the entry's."""
 
     def __init__(self, cache, nbytes: int):
         self.cache, self.nbytes = cache, nbytes
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.cache.tokens
-
-    @property
-    def layers(self) -> list:
-        return self.cache.layers
+    def __getattr__(self, name: str):
+        return getattr(self.cache, name)
 
 
 class ClusterPrefixCache(PrefixCache):
