@@ -568,7 +568,8 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
     print(f"\napis: mlx-tfm server, {n} clients mixing {', '.join(APIS)} against {n} chat-completions clients, "
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, streaming, greedy, "
           f"{args.rounds} rounds each, alternating")
-    prompts = prompt_texts(folder, n + 1, args.prompt_tokens)
+    # every round its own prompts: a round repeating an earlier one's would find them in the prefix cache
+    prompts = prompt_texts(folder, (2 * args.rounds + 1) * n, args.prompt_tokens)
     mixed_apis = [API_LIST[i % len(API_LIST)] for i in range(n)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -576,16 +577,19 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
     mixed, chat_only, per_api = [], [], {name: [] for name in APIS}
     try:
         wait_until_ready(server, url, "mlx-tfm")
-        asyncio.run(api_round(url, str(folder), API_LIST, prompts[-1:] * len(API_LIST), 8))  # warm-up, every API
+        # warm-up: every API, and the batch's prefill at full size (the first one pays for compiling)
+        asyncio.run(api_round(url, str(folder), mixed_apis, prompts[-n:], 8))
         for round_number in range(2 * args.rounds):  # mixed, chat, chat, mixed, mixed...: neither always first
             if (round_number + round_number // 2) % 2 == 0:
-                by_api = asyncio.run(api_round(url, str(folder), mixed_apis, prompts[:n], args.max_tokens))
+                batch = prompts[round_number * n : (round_number + 1) * n]
+                by_api = asyncio.run(api_round(url, str(folder), mixed_apis, batch, args.max_tokens))
                 mixed.append(round_total(by_api))
                 for name, result in by_api.items():
                     per_api[name].append(result)
             else:
+                batch = prompts[round_number * n : (round_number + 1) * n]
                 chat_only.append(round_total(asyncio.run(api_round(url, str(folder), [APIS["chat"]] * n,
-                                                                     prompts[:n], args.max_tokens))))
+                                                                     batch, args.max_tokens))))
         peak = peak_rss_gb(server.pid)
     finally:
         server.terminate()
@@ -600,6 +604,8 @@ def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], pe
     print_row(NO_EOS_MODEL[:18], "chat only", n, chat_only)
     print("  mixed rounds by API: " + ", ".join(f"{name} {r.tokens} tokens ({r.failed} failed)"
                                                 for name, r in per_api.items()))
+    print("  mixed rounds' TTFT p50 by API: " + ", ".join(f"{name} {r.ttft(0.5) * 1e3:.0f}ms"
+                                                          for name, r in per_api.items()))
     print(f"  mixed / chat-only tok/s: {mixed.tok_s / chat_only.tok_s:.3f} (target 0.90..1.10)", flush=True)
     return {**per_api, "mixed": mixed, "chat only": chat_only}
 
