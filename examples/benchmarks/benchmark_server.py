@@ -5,6 +5,9 @@ mlx-lm's BatchGenerator and `mlx_lm.server`, same models, prompts, BLAS and mach
     python examples/benchmarks/benchmark_server.py      # engine and HTTP, float32 and 4-bit, 1/4/16 clients
     python examples/benchmarks/benchmark_server.py --part engine --clients 1,16
     python examples/benchmarks/benchmark_server.py --part soak --seconds 60
+    python examples/benchmarks/benchmark_server.py --part apis           # the four chat APIs against chat completions
+    python examples/benchmarks/benchmark_server.py --part soak-apis --seconds 60
+    python examples/benchmarks/benchmark_server.py --toy --part apis,soak-apis --seconds 3   # seconds, a toy model
 
 Models: the 135M Llama shape (models.py; random weights) in float32 and 4-bit
 (group 64, float32 scales), written once under ``--folder`` with a byte-level BPE tokenizer
@@ -26,6 +29,18 @@ the same BLAS (OpenBLAS on Linux; see mlx_tfm/blas.py). ``soak``: 64 clients aga
 server` for ``--seconds``: streaming and not, some hanging up after two chunks, some
 sending malformed bodies; counts failed valid requests and outputs that differ from the
 same prompt's other outputs, and samples the server's memory.
+
+``apis``: one `mlx-tfm server`, rounds alternating between 16 clients mixing the four chat
+APIs (4 each: /v1/chat/completions, /v1/responses, Ollama's /api/chat, Anthropic's
+/v1/messages) and 16 /v1/chat/completions clients; each round its own distinct prompts (no
+prefix-cache hits), streaming, the same prompt length and token count; prints both groups'
+aggregate tok/s and their ratio. Only OpenAI's API has a logit bias, so these parts serve
+``llama135m-float32-no-eos``: the same weights untied, the output head's EOS row zero (its
+logit always 0, never the greedy pick of random logits), and no request sends a bias.
+``soak-apis``: the soak with its requests spread over the four chat APIs, each getting
+streamed, whole, hung-up and malformed requests; one prompt's outputs are compared across
+all four; counts server errors (5xx) too. ``--toy``: a 2-layer, 64-wide model with a
+512-token vocabulary, for a smoke test in seconds.
 
 The machine should be otherwise idle: other jobs move these numbers a lot.
 """
