@@ -599,17 +599,24 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
                 batch = prompts[round_number * n : (round_number + 1) * n]
                 by_api = asyncio.run(api_round(url, str(folder), mixed_apis, batch, args.max_tokens))
                 mixed.append(round_total(by_api))
+                print_round(round_number, "4 APIs mixed", mixed[-1])
                 for name, result in by_api.items():
                     per_api[name].append(result)
             else:
                 batch = prompts[round_number * n : (round_number + 1) * n]
                 chat_only.append(round_total(asyncio.run(api_round(url, str(folder), [APIS["chat"]] * n,
                                                                      batch, args.max_tokens))))
+                print_round(round_number, "chat only", chat_only[-1])
         peak = peak_rss_gb(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
     return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n)
+
+
+def print_round(number: int, group: str, r: Result) -> None:
+    """One round's figures: the aggregate's TTFT median hides a round slower than the rest."""
+    print(f"  round {number + 1}: {group:<12} {r.tok_s:.1f} tok/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f}ms", flush=True)
 
 
 def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int) -> dict:
