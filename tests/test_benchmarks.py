@@ -91,3 +91,28 @@ def test_each_form_holds_the_weights_and_loads(form, models, tokenizer_dir, tmp_
     for part in ("weight", "scales", "biases") if form.endswith("bit") else ("weight",):
         assert mx.array_equal(loaded[f"{name}.{part}"], stored[f"{name}.{part}"]), part  # the model runs these
     assert tokenizer.decode(tokenizer.encode("To be, or not", add_special_tokens=False)) == "To be, or not"
+
+
+def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_path):
+    """--part apis and --part soak-apis on the toy model for a few seconds: every API makes
+    tokens, no valid request fails, outputs agree, malformed bodies get 400s, no 5xx."""
+    command = [sys.executable, str(BENCHMARKS / "benchmark_server.py"), "--toy", "--folder", str(tmp_path / "models"),
+               "--part", "apis,soak-apis", "--api-clients", "8", "--rounds", "1", "--prompt-tokens", "16",
+               "--max-tokens", "6", "--seconds", "3", "--soak-clients", "8", "--soak-tokens", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    by_api = next(line for line in out.splitlines() if "mixed rounds by API:" in line)
+    for api in ("chat", "responses", "ollama", "anthropic"):  # 2 clients each, all 6 tokens
+        assert f"{api} 12 tokens (0 failed)" in by_api, out
+    rows = [line for line in out.splitlines() if "4 APIs mixed" in line or "chat only" in line]
+    assert len(rows) == 2 and not any("failed" in row for row in rows), out  # a row names its failed requests
+    assert "mixed / chat-only tok/s:" in out and "failed:" not in out, out
+    soak = next(line for line in out.splitlines() if line.strip().startswith("valid ") and "server_errors" in line)
+    counts = dict(part.rsplit(" ", 1) for part in soak.strip().split(", "))
+    assert counts["failed"] == counts["mixed_up"] == counts["malformed_wrong"] == counts["server_errors"] == "0", soak
+    assert int(counts["valid"]) > 0 and int(counts["malformed"]) > 0 and counts["server alive"] == "True", soak
+    valid = next(line for line in out.splitlines() if "valid requests by API:" in line)
+    streamed = dict(part.rsplit(" ", 1) for part in valid.split("streamed tokens by API: ")[1].split(", "))
+    assert set(streamed) == {"chat", "responses", "ollama", "anthropic"} and all(int(v) > 0 for v in streamed.values()), valid
+    assert "resident memory" in out, out

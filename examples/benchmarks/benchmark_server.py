@@ -5,6 +5,9 @@ mlx-lm's BatchGenerator and `mlx_lm.server`, same models, prompts, BLAS and mach
     python examples/benchmarks/benchmark_server.py      # engine and HTTP, float32 and 4-bit, 1/4/16 clients
     python examples/benchmarks/benchmark_server.py --part engine --clients 1,16
     python examples/benchmarks/benchmark_server.py --part soak --seconds 60
+    python examples/benchmarks/benchmark_server.py --part apis           # the four chat APIs against chat completions
+    python examples/benchmarks/benchmark_server.py --part soak-apis --seconds 60
+    python examples/benchmarks/benchmark_server.py --toy --part apis,soak-apis --seconds 3   # seconds, a toy model
 
 Models: the 135M Llama shape (models.py; random weights) in float32 and 4-bit
 (group 64, float32 scales), written once under ``--folder`` with a byte-level BPE tokenizer
@@ -27,6 +30,18 @@ server` for ``--seconds``: streaming and not, some hanging up after two chunks, 
 sending malformed bodies; counts failed valid requests and outputs that differ from the
 same prompt's other outputs, and samples the server's memory.
 
+``apis``: one `mlx-tfm server`, rounds alternating between 16 clients mixing the four chat
+APIs (4 each: /v1/chat/completions, /v1/responses, Ollama's /api/chat, Anthropic's
+/v1/messages) and 16 /v1/chat/completions clients; each round its own distinct prompts (no
+prefix-cache hits), streaming, the same prompt length and token count; prints both groups'
+aggregate tok/s and their ratio. Only OpenAI's API has a logit bias, so these parts serve
+``llama135m-float32-no-eos``: the same weights untied, the output head's EOS row zero (its
+logit always 0, never the greedy pick of random logits), and no request sends a bias.
+``soak-apis``: the soak with its requests spread over the four chat APIs, each getting
+streamed, whole, hung-up and malformed requests; one prompt's outputs are compared across
+all four; counts server errors (5xx) too. ``--toy``: a 2-layer, 64-wide model with a
+512-token vocabulary, for a smoke test in seconds.
+
 The machine should be otherwise idle: other jobs move these numbers a lot.
 """
 
@@ -48,10 +63,15 @@ from pathlib import Path
 import mlx_tfm  # noqa: F401  (first: BLAS routing for both libraries)
 import mlx.core as mx
 
-from models import (LLAMA_135M, SHAKESPEARE, build_once, random_weights, shakespeare_tokenizer, write_model)
+from models import (LLAMA_135M, SHAKESPEARE, build_once, random_weights, shakespeare_tokenizer, write_bpe_tokenizer,
+                    write_model)
 
-BUILD_VERSION = ".built-server-v1"
+BUILD_VERSION = ".built-server-v2"
 MODELS = ("llama135m-float32", "llama135m-4bit")
+NO_EOS_MODEL = "llama135m-float32-no-eos"  # the apis parts: a head that never picks EOS (without_eos)
+# --toy: the same folders at a size a test runs in seconds
+TOY = {**LLAMA_135M, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "vocab_size": 512}
 EOS = 0  # <|endoftext|>, banned so every request makes all its tokens
 NO_EOS = {EOS: -100.0}
 
@@ -69,15 +89,32 @@ def cover_the_vocabulary(folder: Path, vocab_size: int) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
-def build_models(root: Path) -> dict[str, Path]:
-    folders = {name: root / name for name in MODELS}
+def without_eos(shape: dict, weights: dict) -> tuple[dict, dict]:
+    """The model untied, its output head's EOS row zero: EOS's logit is always exactly 0 and a
+    greedy pick is the largest of thousands of random logits, above 0 unless every one is
+    below it. The Responses, Ollama and Anthropic APIs have no logit bias, so this is how
+    their requests make all their tokens (the chat clients of the apis part send none either)."""
+    head = mx.concatenate([weights["model.embed_tokens.weight"][:EOS],
+                           mx.zeros_like(weights["model.embed_tokens.weight"][EOS : EOS + 1]),
+                           weights["model.embed_tokens.weight"][EOS + 1 :]])  # (vocab, hidden), row EOS zero
+    return {**shape, "tie_word_embeddings": False}, {**weights, "lm_head.weight": head}
+
+
+def build_models(root: Path, shape: dict = LLAMA_135M) -> dict[str, Path]:
+    folders = {name: root / name for name in (*MODELS, NO_EOS_MODEL)}
 
     def write() -> None:
-        tokenizer_dir = shakespeare_tokenizer(root / "tokenizer")
-        cover_the_vocabulary(tokenizer_dir, LLAMA_135M["vocab_size"])
-        weights = random_weights(LLAMA_135M)
-        write_model(folders["llama135m-float32"], LLAMA_135M, weights, tokenizer_dir, "float32")
-        write_model(folders["llama135m-4bit"], LLAMA_135M, weights, tokenizer_dir, "4bit")
+        tokenizer_dir = root / "tokenizer"
+        if shape is LLAMA_135M:
+            shakespeare_tokenizer(tokenizer_dir)
+        else:  # a small vocabulary trains in a moment
+            write_bpe_tokenizer(tokenizer_dir, SHAKESPEARE.read_text().splitlines()[:2000], vocab_size=300)
+        cover_the_vocabulary(tokenizer_dir, shape["vocab_size"])
+        weights = random_weights(shape)
+        write_model(folders["llama135m-float32"], shape, weights, tokenizer_dir, "float32")
+        write_model(folders["llama135m-4bit"], shape, weights, tokenizer_dir, "4bit",
+                    group_size=64 if shape["hidden_size"] % 64 == 0 else 32)
+        write_model(folders[NO_EOS_MODEL], *without_eos(shape, weights), tokenizer_dir, "float32")
 
     build_once(root, BUILD_VERSION, write)
     return folders
@@ -406,9 +443,250 @@ class Soak:
         await asyncio.gather(*(self.client(seed, until) for seed in range(n_clients)))
 
 
-def soak_part(folders: dict[str, Path], args) -> None:
-    name = MODELS[0]
-    print(f"\nsoak: mlx-tfm server on {name}, {args.soak_clients} clients for {args.seconds:.0f} s "
+# -- the four chat APIs ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatAPI:
+    """How one API asks for a chat answer and how its answer reads: ``body(prompt, max_tokens,
+    stream)``; ``piece(line)`` -> (text, tokens counted by the server or None) of one
+    streamed line; ``whole(json)`` -> the text of a non-streamed answer."""
+
+    name: str
+    path: str
+    body: object
+    piece: object
+    whole: object
+
+
+def sse_data(line: str) -> dict | None:
+    return json.loads(line[6:]) if line.startswith("data: ") and line != "data: [DONE]" else None
+
+
+def chat_piece(line: str) -> tuple[str, int | None]:
+    chunk = sse_data(line) or {}
+    text = "".join(choice.get("delta", {}).get("content") or "" for choice in chunk.get("choices", []))
+    return text, (chunk.get("usage") or {}).get("completion_tokens")
+
+
+def responses_piece(line: str) -> tuple[str, int | None]:
+    event = sse_data(line) or {}
+    if event.get("type") == "response.output_text.delta":
+        return event["delta"], None
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return "", event["response"]["usage"]["output_tokens"]
+    return "", None
+
+
+def ollama_piece(line: str) -> tuple[str, int | None]:
+    chunk = json.loads(line) if line.strip() else {}
+    return chunk.get("message", {}).get("content", ""), chunk.get("eval_count") if chunk.get("done") else None
+
+
+def anthropic_piece(line: str) -> tuple[str, int | None]:
+    event = sse_data(line) or {}
+    if event.get("type") == "content_block_delta":
+        return event["delta"].get("text", ""), None
+    if event.get("type") == "message_delta":
+        return "", event["usage"]["output_tokens"]
+    return "", None
+
+
+def user_turn(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+API_LIST = (
+    ChatAPI("chat", "/v1/chat/completions",
+            lambda p, n, stream: {"messages": user_turn(p), "max_tokens": n, "temperature": 0.0, "stream": stream,
+                                  **({"stream_options": {"include_usage": True}} if stream else {})},
+            chat_piece, lambda answer: answer["choices"][0]["message"]["content"]),
+    ChatAPI("responses", "/v1/responses",
+            lambda p, n, stream: {"input": user_turn(p), "max_output_tokens": n, "temperature": 0.0,
+                                  "stream": stream, "store": False},
+            responses_piece, lambda answer: answer["output"][0]["content"][0]["text"]),
+    ChatAPI("ollama", "/api/chat",
+            lambda p, n, stream: {"messages": user_turn(p), "stream": stream,
+                                  "options": {"num_predict": n, "temperature": 0.0}},
+            ollama_piece, lambda answer: answer["message"]["content"]),
+    ChatAPI("anthropic", "/v1/messages",
+            lambda p, n, stream: {"messages": user_turn(p), "max_tokens": n, "temperature": 0.0, "stream": stream},
+            anthropic_piece, lambda answer: answer["content"][0]["text"]),
+)
+APIS = {api.name: api for api in API_LIST}
+
+
+def api_body(api: ChatAPI, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    """The request body, naming the model (Anthropic's API requires it)."""
+    return {"model": model, **api.body(prompt, max_tokens, stream)}
+
+
+async def stream_api(client, url: str, api: ChatAPI, model: str, prompt: str, max_tokens: int,
+                     hang_up_after: int | None = None) -> tuple[float, int, str]:
+    """(seconds to the first text, tokens generated, text) of one streamed chat answer;
+    tokens as the server counts them, else the text pieces."""
+    start = time.perf_counter()
+    first, counted, pieces = None, None, []
+    body = api_body(api, model, prompt, max_tokens, True)
+    async with client.stream("POST", f"{url}{api.path}", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{api.name}: status {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            text, tokens = api.piece(line)
+            counted = tokens if tokens is not None else counted
+            if text:
+                first = first if first is not None else time.perf_counter() - start
+                pieces.append(text)
+            if hang_up_after is not None and len(pieces) >= hang_up_after:
+                break
+    return (first if first is not None else float("nan")), counted or len(pieces), "".join(pieces)
+
+
+async def api_round(url: str, model: str, apis: list[ChatAPI], prompts: list[str], max_tokens: int) -> dict[str, Result]:
+    """All clients at once (client i: ``apis[i]``, ``prompts[i]``); a Result per API, each
+    timed over the whole round, so their tok/s add up to the round's."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(stream_api(client, url, api, model, prompt, max_tokens)
+                                          for api, prompt in zip(apis, prompts)), return_exceptions=True)
+        seconds = time.perf_counter() - start
+    results = {api.name: Result(0, seconds, [], 0.0) for api in apis}
+    for api, outcome in zip(apis, outcomes):
+        if isinstance(outcome, BaseException):
+            print(f"  a {api.name} request failed: {outcome}", flush=True)
+            results[api.name].failed += 1
+        else:
+            results[api.name].tokens += outcome[1]
+            results[api.name].ttfts.append(outcome[0])
+    return results
+
+
+def combined(results: list[Result]) -> Result:
+    """The tokens and time of several rounds together."""
+    return Result(sum(r.tokens for r in results), sum(r.seconds for r in results),
+                  [t for r in results for t in r.ttfts], 0.0, failed=sum(r.failed for r in results))
+
+
+def round_total(by_api: dict[str, Result]) -> Result:
+    one = next(iter(by_api.values()))
+    return Result(sum(r.tokens for r in by_api.values()), one.seconds,
+                  [t for r in by_api.values() for t in r.ttfts], 0.0, failed=sum(r.failed for r in by_api.values()))
+
+
+def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
+    """16 clients mixing the four APIs (4 each) against 16 chat-completions clients, rounds
+    alternating on one server; prints both aggregates and their ratio. Returns the mixed
+    rounds' Result per API and "mixed", "chat only"."""
+    folder, n = folders[NO_EOS_MODEL], args.api_clients
+    print(f"\napis: mlx-tfm server, {n} clients mixing {', '.join(APIS)} against {n} chat-completions clients, "
+          f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, streaming, greedy, "
+          f"{args.rounds} rounds each, alternating")
+    # every round its own prompts: a round repeating an earlier one's would find them in the prefix cache
+    prompts = prompt_texts(folder, (2 * args.rounds + 1) * n, args.prompt_tokens)
+    mixed_apis = [API_LIST[i % len(API_LIST)] for i in range(n)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server("mlx-tfm", folder, port)
+    mixed, chat_only, per_api = [], [], {name: [] for name in APIS}
+    try:
+        wait_until_ready(server, url, "mlx-tfm")
+        # warm-up: every API, and the batch's prefill at full size (the first one pays for compiling)
+        asyncio.run(api_round(url, str(folder), mixed_apis, prompts[-n:], 8))
+        for round_number in range(2 * args.rounds):  # mixed, chat, chat, mixed, mixed...: neither always first
+            if (round_number + round_number // 2) % 2 == 0:
+                batch = prompts[round_number * n : (round_number + 1) * n]
+                by_api = asyncio.run(api_round(url, str(folder), mixed_apis, batch, args.max_tokens))
+                mixed.append(round_total(by_api))
+                print_round(round_number, "4 APIs mixed", mixed[-1])
+                for name, result in by_api.items():
+                    per_api[name].append(result)
+            else:
+                batch = prompts[round_number * n : (round_number + 1) * n]
+                chat_only.append(round_total(asyncio.run(api_round(url, str(folder), [APIS["chat"]] * n,
+                                                                     batch, args.max_tokens))))
+                print_round(round_number, "chat only", chat_only[-1])
+        peak = peak_rss_gb(server.pid)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n)
+
+
+def print_round(number: int, group: str, r: Result) -> None:
+    """One round's figures: the aggregate's TTFT median hides a round slower than the rest."""
+    print(f"  round {number + 1}: {group:<12} {r.tok_s:.1f} tok/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f}ms", flush=True)
+
+
+def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int) -> dict:
+    print_header()
+    mixed.peak_gb = chat_only.peak_gb = peak
+    print_row(NO_EOS_MODEL[:18], "4 APIs mixed", n, mixed)
+    print_row(NO_EOS_MODEL[:18], "chat only", n, chat_only)
+    print("  mixed rounds by API: " + ", ".join(f"{name} {r.tokens} tokens ({r.failed} failed)"
+                                                for name, r in per_api.items()))
+    print("  mixed rounds' TTFT p50 by API: " + ", ".join(f"{name} {r.ttft(0.5) * 1e3:.0f}ms"
+                                                          for name, r in per_api.items()))
+    print(f"  mixed / chat-only tok/s: {mixed.tok_s / chat_only.tok_s:.3f} (target 0.90..1.10)", flush=True)
+    return {**per_api, "mixed": mixed, "chat only": chat_only}
+
+
+class ApiSoak(Soak):
+    """The soak with its requests spread over the four chat APIs: every API gets streamed,
+    whole, hung-up and malformed requests; one prompt's outputs are compared across all
+    four (the same chat turn, greedy, so the same text)."""
+
+    def __init__(self, url: str, prompts: list[str], max_tokens: int, model: str):
+        super().__init__(url, prompts, max_tokens)
+        self.model = model
+        self.counts["server_errors"] = 0
+        self.valid_by_api = {name: 0 for name in APIS}
+        self.tokens_by_api = {name: 0 for name in APIS}
+
+    async def malformed(self, client, api: ChatAPI) -> None:
+        response = await client.post(f"{self.url}{api.path}", content=b'{"messages": [{"role": "user", "content": ')
+        self.counts["malformed"] += 1
+        self.counts["malformed_wrong"] += response.status_code != 400
+        self.counts["server_errors"] += response.status_code >= 500
+
+    async def valid(self, client, api: ChatAPI, kind: str, index: int) -> None:
+        prompt = self.prompts[index]
+        if kind == "plain":
+            response = await client.post(f"{self.url}{api.path}", json=api_body(api, self.model, prompt, self.max_tokens, False))
+            self.counts["server_errors"] += response.status_code >= 500
+            response.raise_for_status()
+            text = api.whole(response.json())
+        else:
+            _, tokens, text = await stream_api(client, self.url, api, self.model, prompt, self.max_tokens)
+            self.tokens_by_api[api.name] += tokens
+        self.check(index, text)
+        self.counts["valid"] += 1
+        self.valid_by_api[api.name] += 1
+
+    async def one_request(self, client, rng: random.Random) -> None:
+        kind = rng.choices(["stream", "plain", "hang_up", "malformed"], weights=[5, 3, 1, 1])[0]
+        api, index = rng.choice(API_LIST), rng.randrange(len(self.prompts))
+        try:
+            if kind == "malformed":
+                await self.malformed(client, api)
+            elif kind == "hang_up":
+                await stream_api(client, self.url, api, self.model, self.prompts[index], self.max_tokens,
+                                 hang_up_after=2)
+                self.counts["hung_up"] += 1
+            else:
+                await self.valid(client, api, kind, index)
+        except Exception as error:  # noqa: BLE001 (counted and shown)
+            self.counts["server_errors"] += " status 5" in str(error)
+            self.counts["failed"] += 1
+            print(f"  {api.name} {kind} failed: {type(error).__name__}: {error}", flush=True)
+
+
+def soak_part(folders: dict[str, Path], args, across_apis: bool = False) -> Soak:
+    """The soak on /v1/completions, or (``across_apis``) on the four chat APIs."""
+    name = NO_EOS_MODEL if across_apis else MODELS[0]
+    where = f"the {', '.join(APIS)} APIs" if across_apis else "/v1/completions"
+    print(f"\nsoak: mlx-tfm server on {name}, {args.soak_clients} clients on {where} for {args.seconds:.0f} s "
           f"({args.soak_tokens} new tokens per request)")
     prompts = prompt_texts(folders[name], 8, 40)
     port = free_port()
@@ -417,7 +695,8 @@ def soak_part(folders: dict[str, Path], args) -> None:
     memory: list[tuple[float, float]] = []
     try:
         wait_until_ready(server, url, "mlx-tfm")
-        soak = Soak(url, prompts, args.soak_tokens)
+        soak = ApiSoak(url, prompts, args.soak_tokens, str(folders[name])) if across_apis \
+            else Soak(url, prompts, args.soak_tokens)
 
         async def sample_memory(until):
             while time.time() < until:
@@ -433,8 +712,16 @@ def soak_part(folders: dict[str, Path], args) -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
+    report_soak(soak, memory, alive, args.seconds)
+    return soak
+
+
+def report_soak(soak: Soak, memory: list[tuple[float, float]], alive: bool, seconds: float) -> None:
     print("  " + ", ".join(f"{k} {v}" for k, v in soak.counts.items()) + f", server alive {alive}")
-    warm = [gb for t, gb in memory if t >= memory[0][0] + args.seconds / 4]
+    if isinstance(soak, ApiSoak):
+        print("  valid requests by API: " + ", ".join(f"{k} {v}" for k, v in soak.valid_by_api.items())
+              + "; streamed tokens by API: " + ", ".join(f"{k} {v}" for k, v in soak.tokens_by_api.items()))
+    warm = [gb for t, gb in memory if t >= memory[0][0] + seconds / 4]
     if warm:
         print(f"  resident memory after the first quarter: {min(warm):.3f}..{max(warm):.3f} GB "
               f"(start {warm[0]:.3f}, end {warm[-1]:.3f}); peak {max(gb for _, gb in memory):.3f} GB", flush=True)
@@ -442,7 +729,7 @@ def soak_part(folders: dict[str, Path], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="engine,http", help="engine, http, soak (comma-separated)")
+    parser.add_argument("--part", default="engine,http", help="engine, http, soak, apis, soak-apis (comma-separated)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--servers", default="mlx-tfm,mlx_lm.server",
@@ -452,13 +739,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the soak")
     parser.add_argument("--soak-clients", type=int, default=64)
     parser.add_argument("--soak-tokens", type=int, default=24)
-    parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark_server"))
+    parser.add_argument("--api-clients", type=int, default=16, help="clients of each group in the apis part")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each group in the apis part")
+    parser.add_argument("--folder", type=Path, default=None,
+                        help="where the models are written (default /tmp/mlx_tfm_benchmark_server, _toy with --toy)")
+    parser.add_argument("--toy", action="store_true",
+                        help="a 2-layer 64-wide model with a 512-token vocabulary: the parts run in seconds")
     args = parser.parse_args()
+    args.folder = args.folder or Path("/tmp/mlx_tfm_benchmark_server" + ("_toy" if args.toy else ""))
 
     from mlx_tfm.blas import blas_description
 
-    folders = build_models(args.folder)
     parts = args.part.split(",")
+    unknown_parts = set(parts) - {"engine", "http", "soak", "apis", "soak-apis"}
+    if unknown_parts:
+        parser.error(f"--part: unknown {', '.join(sorted(unknown_parts))} (engine, http, soak, apis, soak-apis)")
+    folders = build_models(args.folder, TOY if args.toy else LLAMA_135M)
     models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
     unknown = set(args.servers.split(",")) - {"mlx-tfm", "mlx_lm.server"}
@@ -471,6 +767,10 @@ def main() -> None:
         http_part(folders, models, clients, args)
     if "soak" in parts:
         soak_part(folders, args)
+    if "apis" in parts:
+        apis_part(folders, args)
+    if "soak-apis" in parts:
+        soak_part(folders, args, across_apis=True)
 
 
 if __name__ == "__main__":
