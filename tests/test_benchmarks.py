@@ -105,7 +105,8 @@ def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_
     by_api = next(line for line in out.splitlines() if "mixed rounds by API:" in line)
     for api in ("chat", "responses", "ollama", "anthropic"):  # 2 clients each, all 6 tokens
         assert f"{api} 12 tokens (0 failed)" in by_api, out
-    rows = [line for line in out.splitlines() if "4 APIs mixed" in line or "chat only" in line]
+    rows = [line for line in out.splitlines()  # the two summary rows, not the per-round lines
+            if ("4 APIs mixed" in line or "chat only" in line) and not line.strip().startswith("round")]
     assert len(rows) == 2 and not any("failed" in row for row in rows), out  # a row names its failed requests
     assert "mixed / chat-only tok/s:" in out and "failed:" not in out, out
     soak = next(line for line in out.splitlines() if line.strip().startswith("valid ") and "server_errors" in line)

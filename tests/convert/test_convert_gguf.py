@@ -30,6 +30,7 @@ from fixtures.convert_helpers import (
     write_llama_cpp_gguf,
     write_stories_gguf,
 )
+from fixtures.gguf_names import llama_cpp_tensor_names
 
 import mlx_tfm
 from mlx_tfm.convert.converter import convert
@@ -109,7 +110,9 @@ def test_byte_level_bpe_gguf(arch, pre, tmp_path, bpe, shakespeare):
     assert ours == reference_tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ours) == text.replace(" <|endoftext|>", " ")  # specials are skipped in decode
 
-    from mlx_lm import load as mlx_lm_load  # transformers reads our tokenizer.json the same way
+    from mlx_lm import (
+        load as mlx_lm_load,  # transformers reads our tokenizer.json the same way
+    )
 
     _, theirs = mlx_lm_load(str(tmp_path / "out"))
     assert theirs.encode(text, add_special_tokens=False) == ours
@@ -145,16 +148,6 @@ def test_block_mapping_is_exact(kind, magnitude):
 
 
 # -- tensor names: one table, read both ways ---------------------------------------------------
-
-
-def llama_cpp_tensor_names(arch: str) -> list[str]:
-    """Every tensor name llama.cpp's tables (the gguf package's) give an architecture, for
-    layer 1 and expert 2, as weight and as bias."""
-    import gguf
-
-    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    templates = [gguf.TENSOR_NAMES[tensor] for tensor in gguf.MODEL_TENSORS[model_arch]]
-    return [f"{t.format(bid=1, xid=2)}.{kind}" for t in templates for kind in ("weight", "bias")]
 
 
 # the hybrids (fewer tensor kinds: Mamba has 11) are checked in test_convert_gguf_hybrids.py

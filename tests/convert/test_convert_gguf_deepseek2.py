@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from fixtures.convert_helpers import hf_logits, make_hf_model
+from fixtures.gguf_names import byte_tokens
 
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.loading import load_model
@@ -16,18 +17,6 @@ from mlx_tfm.loading import load_model
 IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
 QUIET = dict(log=lambda *_: None)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet: one token per byte, no merges."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b], extra = chr(256 + extra), extra + 1
-    return [chars[b] for b in range(256)]
 
 
 def add_hparams(writer, config: dict) -> None:

@@ -9,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from fixtures.convert_helpers import half_split_to_interleaved, hf_logits, make_hf_model
-from test_convert_gguf import llama_cpp_tensor_names
-from test_convert_gguf_deepseek2 import byte_tokens
+from fixtures.gguf_names import byte_tokens, llama_cpp_tensor_names
 
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.convert.gguf_file import gguf_name, hf_name
