@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .common import COMMON_DROPS, VISION_DROPS, Architecture, activation, rope_settings
-from .decoders import GEMMA3_RENAMES, gemma2_args, gemma3_layout, llama_args, phi3_rewrite, split_qkv
+from .decoders import GEMMA3_RENAMES, gemma2_args, gemma3_layout, gpt2_args, llama_args, phi3_rewrite, split_qkv
 
 
 def ernie4_5_args(config: dict) -> dict:
@@ -237,28 +237,11 @@ def biogpt_args(config: dict) -> dict:
 def gpt_bigcode_args(config: dict) -> dict:
     """StarCoder 1 / SantaCoder: GPT-2's block (LayerNorm, GELU MLP, learned positions,
     biases) with one key/value head (``multi_query``) in a fused ``c_attn``."""
-    D, n_heads = config["n_embd"], config["n_head"]
     if not config.get("scale_attn_weights", True):
         raise UserError("gpt_bigcode with scale_attn_weights false is not supported")
-    return {
-        "model_type": "gpt_bigcode",
-        "vocab_size": config["vocab_size"],
-        "hidden_size": D,
-        "num_hidden_layers": config["n_layer"],
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": 1 if config.get("multi_query", True) else n_heads,
-        "intermediate_size": config.get("n_inner") or 4 * D,
-        "norm_type": "layernorm",
-        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
-        "hidden_act": activation(config.get("activation_function", "gelu_pytorch_tanh")),
-        "ffn_gated": False,
-        "mlp_bias": True,
-        "attention_bias": True,
-        "attention_out_bias": True,
-        "position_embedding": "learned",
-        "max_position_embeddings": config.get("n_positions", 1024),
-        "tie_word_embeddings": config.get("tie_word_embeddings", True),
-    }
+    multi_query = config.get("multi_query", True)
+    return {**gpt2_args({"activation_function": "gelu_pytorch_tanh", **config}), "model_type": "gpt_bigcode",
+            "num_key_value_heads": 1 if multi_query else config["n_head"]}
 
 
 # StarCoder 1 keeps transformers' names on disk (mlx-lm's gpt_bigcode reads them as they are).
