@@ -155,6 +155,23 @@ def causal_depthwise_conv(inputs: mx.array, weight: mx.array) -> mx.array:
     return out
 
 
+def cached_delta_rule(queries, keys, values, g, beta, cache, chunked, chunk_size: int) -> mx.array:
+    """The delta rule over (B, H, L, ...) heads, from the cache's recurrent state (zeros
+    without one): stepped for up to ``STEPS_UP_TO`` positions, else ``chunked``; the new
+    state goes back into the cache (slot 1), which counts the positions. -> (B, H, L, Dv)"""
+    B, H, L, Dk = keys.shape
+    state = cache[1] if cache is not None and cache[1] is not None else mx.zeros(
+        (B, H, Dk, values.shape[-1]), dtype=mx.float32)
+    if L <= STEPS_UP_TO:
+        out, state = delta_rule_steps(queries, keys, values, g, beta, state)
+    else:
+        out, state = chunked(queries, keys, values, g, beta, state, chunk_size)
+    if cache is not None:
+        cache[1] = state
+        cache.advance(L)
+    return out
+
+
 class GatedRMSNorm(nn.Module):
     """``rms_norm(x) * weight * gate(z)`` over each head's values (weight starts at one);
     the gate is silu (Qwen's Gated DeltaNet) or sigmoid (Kimi's KDA)."""
@@ -211,15 +228,7 @@ class GatedDeltaNet(nn.Module):
         # -> (B, Hv, L, ...): the heads' layout the recurrence works in
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
-        state = cache[1] if cache is not None and cache[1] is not None else mx.zeros(
-            (B, self.n_value_heads, self.key_head_dim, self.value_head_dim), dtype=mx.float32)
-        if L <= STEPS_UP_TO:
-            out, state = delta_rule_steps(queries, keys, values, g, beta, state)
-        else:
-            out, state = delta_rule_chunked(queries, keys, values, g, beta, state, self.chunk_size)
-        if cache is not None:
-            cache[1] = state
-            cache.advance(L)
+        out = cached_delta_rule(queries, keys, values, g, beta, cache, delta_rule_chunked, self.chunk_size)
         out = out.transpose(0, 2, 1, 3).astype(x.dtype)  # (B, L, Hv, Dv)
         z = self.in_proj_z(x).reshape(B, L, self.n_value_heads, self.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(B, L, -1))

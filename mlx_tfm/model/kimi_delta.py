@@ -30,8 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelArgs
-from .deltanet import (STEPS_UP_TO, GatedRMSNorm, causal_depthwise_conv, check_linear_heads, compensated_cumsum,
-                       delta_rule_steps, l2_normalised, padded_to_chunks, unit_lower_inverse)
+from .deltanet import (GatedRMSNorm, cached_delta_rule, causal_depthwise_conv, check_linear_heads,
+                       compensated_cumsum, l2_normalised, padded_to_chunks, unit_lower_inverse)
 from .state_cache import StateCache
 
 
@@ -105,15 +105,8 @@ class KimiDeltaAttention(nn.Module):
         queries, keys, values = self._heads(self._convolved(x, cache))  # (B, H, L, Dk or Dv) each
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32)).transpose(0, 2, 1)  # (B, H, L)
         g = self._decay(x).transpose(0, 2, 1, 3)  # (B, H, L, Dk)
-        state = cache[1] if cache is not None and cache[1] is not None else mx.zeros(
-            (B, self.n_heads, self.head_dim, self.head_dim), dtype=mx.float32)
-        if L <= STEPS_UP_TO:
-            out, state = delta_rule_steps(queries, keys, values, g, beta, state)
-        else:
-            out, state = per_channel_delta_rule_chunked(queries, keys, values, g, beta, state, self.chunk_size)
-        if cache is not None:
-            cache[1] = state
-            cache.advance(L)
+        out = cached_delta_rule(queries, keys, values, g, beta, cache, per_channel_delta_rule_chunked,
+                                self.chunk_size)
         out = out.transpose(0, 2, 1, 3).astype(x.dtype)  # (B, L, H, Dv)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, L, self.n_heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(B, L, -1))
