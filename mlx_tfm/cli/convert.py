@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from .flags import add_output_argument
 
 HELP = "Convert a Hugging Face, llama2.c, GGUF or MLX checkpoint into an MLX folder (optionally quantized)."
@@ -15,6 +16,7 @@ Q_GROUP_SIZES = (32, 64, 128)
 Q_BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = ("float16", "bfloat16", "float32")
 QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Source: a local folder, a llama2.c .bin or .gguf file, or a Hugging Face repo id.",
     )
     add_settings_arguments(parser)
+    parser.add_argument("--to-gguf", metavar="FILE", default=None,
+                        help="Write a GGUF file for llama.cpp instead of an MLX folder (llama, mistral, qwen2, qwen3).")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f16",
+                        help="With --to-gguf: the matrices' type (default f16; q8_0 / q4_0 by gguf's quantizer).")
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, *, quantize_flags: bool = True) -> None:
@@ -51,6 +57,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, quantize_flags: b
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.to_gguf:
+        if args.quantize or args.dequantize:
+            raise UserError("--to-gguf quantizes with --gguf-type (q8_0, q4_0), not -q / -d")
+        from ..convert.gguf_export import export_gguf
+
+        export_gguf(args.hf_path, args.to_gguf, args.gguf_type, overwrite=args.overwrite)
+        return 0
     return convert_with(args, args.hf_path)
 
 
