@@ -81,3 +81,34 @@ def truncate(examples: list[Example], max_seq_length: int, source) -> list[Examp
             file=sys.stderr,
         )
     return [(tokens[:max_seq_length], min(prompt, max_seq_length)) for tokens, prompt in examples]
+
+
+# -- a token stream (perplexity, calibration) ----------------------------------------------
+
+DEFAULT_SEED = 123  # mlx_lm.perplexity's
+
+
+def read_token_stream(path: str | Path, tokenizer, seed: int = DEFAULT_SEED, split: str | None = None,
+                      flag: str = "--data") -> mx.array:
+    """One stream of token ids (N,) from a .txt file, a .jsonl file or a folder of them;
+    ``flag``: the option that named ``path``, for the message when it does not exist."""
+    import mlx.core as mx
+    import numpy as np  # here: `import mlx_tfm` imports this module and stays without numpy
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        split = split or next((s for s in ("test", "valid", "train") if (path / f"{s}.jsonl").is_file()), None)
+        if split not in SPLITS:
+            raise UserError(f"data folder {path} has no test.jsonl, valid.jsonl or train.jsonl")
+        examples = [tokens for tokens, _ in load_split(path, split, tokenizer)]
+    elif path.suffix == ".jsonl":
+        examples = [encode_record(record, tokenizer, f"{path}:{n}")[0] for n, record in read_jsonl(path)]
+    elif path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return mx.array(tokenizer.encode(text), mx.int32)
+    else:
+        raise UserError(f"{flag} {path} does not exist (give a .txt or .jsonl file, or a folder with test.jsonl)")
+    if not examples:
+        raise UserError(f"{path} has no examples")
+    order = np.random.RandomState(seed).permutation(len(examples))  # mlx_lm's order under its seed
+    return mx.array([token for i in order for token in examples[i]], mx.int32)

@@ -31,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Write a GGUF file for llama.cpp instead of an MLX folder (llama, mistral, qwen2, qwen3).")
     parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f16",
                         help="With --to-gguf: the matrices' type (default f16; q8_0 / q4_0 by gguf's quantizer).")
+    parser.add_argument("--awq", action="store_true",
+                        help="With -q: scale the weights by their calibrated activations first (AWQ); needs "
+                             "--calibration-data.")
+    parser.add_argument("--calibration-data", metavar="PATH", default=None,
+                        help="With --awq: a .txt or .jsonl file, or a data folder (its train.jsonl).")
+    parser.add_argument("--awq-num-samples", type=int, default=32,
+                        help="With --awq: calibration windows (default 32).")
+    parser.add_argument("--awq-sequence-length", type=int, default=512,
+                        help="With --awq: tokens per calibration window (default 512).")
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, *, quantize_flags: bool = True) -> None:
@@ -74,7 +83,15 @@ def convert_with(args: argparse.Namespace, source: str, kind: str | None = None)
 
     if kind is not None:
         check_kind(source, kind)
+    awq = None
+    if getattr(args, "awq", False):
+        if not args.calibration_data:
+            raise UserError("--awq needs --calibration-data (a text file, a jsonl file or a data folder)")
+        if args.awq_num_samples < 1 or args.awq_sequence_length < 2:
+            raise UserError("--awq-num-samples must be at least 1 and --awq-sequence-length at least 2")
+        awq = dict(data=args.calibration_data, samples=args.awq_num_samples, sequence_length=args.awq_sequence_length)
     convert(source, args.mlx_path, quantize=getattr(args, "quantize", True), q_group_size=args.q_group_size,
             q_bits=args.q_bits, dtype=args.dtype, dequantize=getattr(args, "dequantize", False),
-            overwrite=args.overwrite, max_shard_size=args.max_shard_size, quant_predicate=args.quant_predicate)
+            overwrite=args.overwrite, max_shard_size=args.max_shard_size, quant_predicate=args.quant_predicate,
+            awq=awq)
     return 0

@@ -126,13 +126,17 @@ def convert(
     overwrite: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
     quant_predicate: str | None = None,
+    awq: dict | None = None,
     log=print,
 ) -> Path:
     """Convert ``hf_path`` (a folder, a llama2.c or GGUF file, or a hub repo id) into an
     MLX folder at ``mlx_path``. ``quant_predicate``: one of mlx_lm.convert's mixed-bit
-    recipes (``QUANT_RECIPES``). Returns the folder."""
+    recipes (``QUANT_RECIPES``). ``awq``: scale the weights as AWQ does before quantizing
+    (``awq.awq_weights``' keywords: data, samples, sequence_length). Returns the folder."""
     if quantize and dequantize:
         raise UserError("choose either --quantize or --dequantize, not both")
+    if awq is not None and not quantize:
+        raise UserError("--awq scales the weights for quantization: pass -q too")
     if quant_predicate is not None and (not quantize or quant_predicate not in QUANT_RECIPES):
         raise UserError(f"--quant-predicate takes -q and one of {', '.join(QUANT_RECIPES)}")
     if q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES:
@@ -148,6 +152,12 @@ def convert(
     args, weights = check_source(source, origin)
     source.weights = {}  # the lazy outputs below keep what they need; the rest can go
     log(f"read {origin}: {args.model_type}, {args.num_hidden_layers} layers, {len(weights)} tensors")
+    if awq is not None:
+        from .awq import awq_weights
+
+        if source.quantization:
+            raise UserError("--awq needs float weights; this source is quantized already")
+        weights = awq_weights(source.config, weights, origin, group_size=q_group_size, bits=q_bits, log=log, **awq)
     weights, quantization = prepare_weights(
         weights,
         source.quantization,

@@ -31,10 +31,10 @@ import mlx.core as mx
 
 from ..errors import UserError
 from ..model.cache import KVQuantization, quantized_layers
+from ..datasets import DEFAULT_SEED, read_token_stream
 from .sampling import log_normalizer
 
 LOGITS_PER_CHUNK = 1 << 23  # float32 logits computed at once (32 MB): a 49152-token head takes ~170 positions
-DEFAULT_SEED = 123  # mlx_lm.perplexity's
 
 
 @dataclass(frozen=True)
@@ -51,31 +51,6 @@ class PerplexityResult:
 
 
 # -- data ----------------------------------------------------------------------------------
-
-
-def read_token_stream(path: str | Path, tokenizer, seed: int = DEFAULT_SEED, split: str | None = None) -> mx.array:
-    """One stream of token ids (N,) from a .txt file, a .jsonl file or a folder of them."""
-    import numpy as np  # here: `import mlx_tfm` imports this module and stays without numpy
-
-    from ..datasets import SPLITS, encode_record, load_split, read_jsonl
-
-    path = Path(path).expanduser()
-    if path.is_dir():
-        split = split or next((s for s in ("test", "valid", "train") if (path / f"{s}.jsonl").is_file()), None)
-        if split not in SPLITS:
-            raise UserError(f"data folder {path} has no test.jsonl, valid.jsonl or train.jsonl")
-        examples = [tokens for tokens, _ in load_split(path, split, tokenizer)]
-    elif path.suffix == ".jsonl":
-        examples = [encode_record(record, tokenizer, f"{path}:{n}")[0] for n, record in read_jsonl(path)]
-    elif path.is_file():
-        text = path.read_text(encoding="utf-8", errors="replace")
-        return mx.array(tokenizer.encode(text), mx.int32)
-    else:
-        raise UserError(f"--data {path} does not exist (give a .txt or .jsonl file, or a folder with test.jsonl)")
-    if not examples:
-        raise UserError(f"{path} has no examples")
-    order = np.random.RandomState(seed).permutation(len(examples))  # mlx_lm's order under its seed
-    return mx.array([token for i in order for token in examples[i]], mx.int32)
 
 
 def windows(n_tokens: int, sequence_length: int, stride: int) -> list[tuple[int, int]]:
