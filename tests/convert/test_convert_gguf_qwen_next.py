@@ -103,13 +103,13 @@ def llama_cpp_tensors(arch, config: dict, weights: dict) -> dict[str, np.ndarray
     return tensors
 
 
-def write_hparams(writer, config: dict, interval: int) -> None:
+def write_hparams(writer, config: dict, interval: int, extra_blocks: int) -> None:
     """TextModel's, Qwen2MoeModel's and Qwen3NextModel's set_gguf_parameters (the Qwen3.5
     classes add the M-RoPE sections)."""
     rope = config["rope_parameters"]
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_block_count(config["num_hidden_layers"] + extra_blocks)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
@@ -133,16 +133,16 @@ def write_hparams(writer, config: dict, interval: int) -> None:
         writer.add_rope_dimension_sections([11, 11, 10, 0])
 
 
-def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=None) -> None:
+def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=None, extra_blocks: int = 0) -> None:
     """``edit(tensors)`` changes the llama.cpp tensors, ``hparams(writer)`` adds metadata,
-    before writing."""
+    before writing; ``extra_blocks`` more blocks than the model's (ones ``edit`` adds)."""
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
     arch_name = ARCH_OF[config["model_type"]]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     writer = gguf.GGUFWriter(str(path), arch_name)
-    write_hparams(writer, config, interval)
+    write_hparams(writer, config, interval, extra_blocks)
     if hparams:
         hparams(writer)
     writer.add_tokenizer_model("gpt2")
@@ -209,3 +209,66 @@ def test_qwen_next_gguf_reads_back_the_checkpoint_over_several_chunks(case, tmp_
     from_gguf = logits_of(tmp_path / "out", LONG_PROMPT)
     np.testing.assert_allclose(from_gguf, logits_of(tmp_path / "direct", LONG_PROMPT), atol=1e-5, rtol=0)
     np.testing.assert_allclose(from_gguf, float64_logits(hf, LONG_PROMPT), atol=5e-4, rtol=0)
+
+
+# -- the layer pattern ---------------------------------------------------------------------------
+
+
+def drop(*names):
+    def edit(tensors):
+        for name in names:
+            del tensors[name]
+    return edit
+
+
+@pytest.mark.parametrize("interval, edit, message", [
+    (3, None, "GGUF qwen35 layer pattern is unknown: layer 2 holds linear_attention tensors, "
+              "full_attention_interval 3 makes it full_attention"),
+    (4, drop("blk.1.ssm_a"), "GGUF qwen35 layer 1 is of no known kind: it holds attn_gate.weight"),
+])
+def test_unknown_layer_pattern_is_named(interval, edit, message, tmp_path):
+    make_hf_model("qwen3_5_text", tmp_path / "hf")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", interval=interval, edit=edit)
+    with pytest.raises(UserError, match=message) as error:
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert "\n" not in str(error.value)
+
+
+def test_appended_prediction_layers_are_left_out(tmp_path):
+    """Newer converters append Qwen3.5's multi-token-prediction layer as one more block
+    (a full-attention layer and the nextn.* projections; nextn_predict_layers 1): the
+    language model is the blocks before it."""
+    import gguf
+
+    def mtp_block(tensors):
+        for name in [n for n in tensors if n.startswith("blk.3.")]:  # a full-attention block's tensors
+            tensors[name.replace("blk.3.", "blk.4.")] = tensors[name]
+        for tensor, shape in ((gguf.MODEL_TENSOR.NEXTN_EH_PROJ, (64, 128)), (gguf.MODEL_TENSOR.NEXTN_ENORM, (64,)),
+                              (gguf.MODEL_TENSOR.NEXTN_HNORM, (64,)), (gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM, (64,))):
+            tensors[f"{gguf.TENSOR_NAMES[tensor].format(bid=4)}.weight"] = np.ones(shape, dtype=np.float32)
+
+    hf = make_hf_model("qwen3_5_text", tmp_path / "hf")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", edit=mtp_block, extra_blocks=1,
+                         hparams=lambda writer: writer.add_nextn_predict_layers(1))
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 4
+    np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(QWEN_NEXT_ARCHITECTURES))
+def test_qwen_next_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
+    """Writing undoes reading for every tensor llama.cpp names, and agrees with gguf's own
+    TensorNameMap where it has the name."""
+    import gguf
+
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    theirs = gguf.get_tensor_name_map(model_arch, 4)
+    read = {name: hf_name(name, arch) for name in llama_cpp_tensor_names(arch)}
+    read = {name: hf for name, hf in read.items() if hf != name}
+    assert len(read) >= 20
+    for name, hf in read.items():
+        assert gguf_name(hf, arch) == name
+        assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
