@@ -9,13 +9,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from fixtures.convert_helpers import hf_logits, make_hf_model
-from fixtures.gguf_names import byte_tokens, llama_cpp_tensor_names
+from fixtures.gguf_names import byte_tokens
+from mlx.utils import tree_flatten
 
 from mlx_tfm.convert.converter import convert
-from mlx_tfm.convert.gguf_file import gguf_name, hf_name
-from mlx_tfm.convert.gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from mlx_tfm.errors import UserError
 from mlx_tfm.loading import load_model
 
@@ -23,6 +21,7 @@ IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
 # 150 positions: two whole chunks of the delta rule (64) and part of a third
 LONG_PROMPT = [int(i) for i in np.random.default_rng(0).integers(3, 256, 150)]
 QUIET = dict(log=lambda *_: None)
+Q8_0 = __import__("gguf").GGMLQuantizationType.Q8_0
 ARCH_OF = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 
 
@@ -133,9 +132,11 @@ def write_hparams(writer, config: dict, interval: int, extra_blocks: int) -> Non
         writer.add_rope_dimension_sections([11, 11, 10, 0])
 
 
-def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=None, extra_blocks: int = 0) -> None:
+def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=None, extra_blocks: int = 0,
+                         q8_0: tuple[str, ...] = ()) -> None:
     """``edit(tensors)`` changes the llama.cpp tensors, ``hparams(writer)`` adds metadata,
-    before writing; ``extra_blocks`` more blocks than the model's (ones ``edit`` adds)."""
+    before writing; ``extra_blocks`` more blocks than the model's (ones ``edit`` adds); the
+    tensors whose names end with one of ``q8_0`` are written in Q8_0 blocks."""
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
@@ -157,7 +158,10 @@ def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=
     if edit:
         edit(tensors)
     for name, w in tensors.items():
-        writer.add_tensor(name, w)
+        if name.endswith(q8_0):
+            writer.add_tensor(name, gguf.quants.quantize(w, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -222,8 +226,8 @@ def drop(*names):
 
 
 @pytest.mark.parametrize("interval, edit, message", [
-    (3, None, "GGUF qwen35 layer pattern is unknown: layer 2 holds linear_attention tensors, "
-              "full_attention_interval 3 makes it full_attention"),
+    (3, None, ("GGUF qwen35 layer pattern is unknown: layer 2 holds linear_attention tensors, "
+               "full_attention_interval 3 makes it full_attention")),
     (4, drop("blk.1.ssm_a"), "GGUF qwen35 layer 1 is of no known kind: it holds attn_gate.weight"),
 ])
 def test_unknown_layer_pattern_is_named(interval, edit, message, tmp_path):
@@ -255,20 +259,39 @@ def test_appended_prediction_layers_are_left_out(tmp_path):
     np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
 
 
-# -- names ---------------------------------------------------------------------------------------
+
+# -- quantized value heads -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", sorted(QWEN_NEXT_ARCHITECTURES))
-def test_qwen_next_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
-    """Writing undoes reading for every tensor llama.cpp names, and agrees with gguf's own
-    TensorNameMap where it has the name."""
+def round_trip_q8_0(hf, parts: tuple[str, ...]) -> None:
+    """The transformers model with its ``parts`` weights as Q8_0 blocks give them back
+    (gguf's reference quantizer and decoder), in the checkpoint's own grouped order."""
     import gguf
+    import torch
 
-    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    theirs = gguf.get_tensor_name_map(model_arch, 4)
-    read = {name: hf_name(name, arch) for name in llama_cpp_tensor_names(arch)}
-    read = {name: hf for name, hf in read.items() if hf != name}
-    assert len(read) >= 20
-    for name, hf in read.items():
-        assert gguf_name(hf, arch) == name
-        assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(parts):
+                decoded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), Q8_0), Q8_0)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(decoded)))
+
+
+def test_quantized_tiled_value_heads_are_put_back_a_block_at_a_time(tmp_path):
+    """Value heads of 32 fill one Q8_0 block each: out_proj's tiled column blocks and
+    in_proj_qkv's rows are put back as they are stored (bit for bit), so the logits are
+    those of the checkpoint with the same weights quantized in its own order."""
+    hf = make_hf_model("qwen3_5_text", tmp_path / "hf", linear_value_head_dim=32)
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", q8_0=("ssm_out.weight", "attn_qkv.weight"))
+    convert(tmp_path / "model.gguf", tmp_path / "out", dtype="float32", **QUIET)
+    round_trip_q8_0(hf, ("linear_attn.out_proj.weight", "linear_attn.in_proj_qkv.weight"))
+    assert "model.layers.0.linear_attn.out_proj.scales" in mx.load(str(tmp_path / "out" / "model.safetensors"))
+    np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_quantized_value_heads_smaller_than_a_block_are_an_error(tmp_path):
+    make_hf_model("qwen3_5_text", tmp_path / "hf")  # value heads of 8
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", q8_0=("ssm_out.weight",))
+    message = ("GGUF qwen35 tensor blk.0.ssm_out.weight [(]Q8_0[)]: value heads of 8 weights do not fill whole "
+               "32-weight blocks, so its tiled heads cannot be reordered")
+    with pytest.raises(UserError, match=message):
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
