@@ -62,7 +62,7 @@ LAYER_OF = re.compile(r"(?:model\.layers|blk)\.(\d+)\.")
 def layer_types_of_file(get, tensors: dict, n_layers: int, arch: str) -> list[str]:
     """Each layer's kind as its tensors tell, checked against ``full_attention_interval``
     (4 where the file has none, as llama.cpp reads it)."""
-    interval = int(get("full_attention_interval") or 4)
+    interval = int(get("full_attention_interval", 4))
     if interval < 1:
         raise UserError(f"GGUF {arch} full_attention_interval is {interval}: it must be 1 or more")
     kinds = layer_kinds(tensors, n_layers, DELTANET_OR_ATTENTION, arch)

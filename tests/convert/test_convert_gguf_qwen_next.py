@@ -229,6 +229,7 @@ def drop(*names):
     (3, None, ("GGUF qwen35 layer pattern is unknown: layer 2 holds linear_attention tensors, "
                "full_attention_interval 3 makes it full_attention")),
     (4, drop("blk.1.ssm_a"), "GGUF qwen35 layer 1 is of no known kind: it holds attn_gate.weight"),
+    (0, None, "GGUF qwen35 full_attention_interval is 0: it must be 1 or more"),
 ])
 def test_unknown_layer_pattern_is_named(interval, edit, message, tmp_path):
     make_hf_model("qwen3_5_text", tmp_path / "hf")
@@ -294,4 +295,12 @@ def test_quantized_value_heads_smaller_than_a_block_are_an_error(tmp_path):
     message = ("GGUF qwen35 tensor blk.0.ssm_out.weight [(]Q8_0[)]: value heads of 8 weights do not fill whole "
                "32-weight blocks, so its tiled heads cannot be reordered")
     with pytest.raises(UserError, match=message):
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+
+
+def test_norm_stored_in_blocks_is_an_error(tmp_path):
+    """llama.cpp keeps norms in F32; one in blocks cannot have its 1 taken off."""
+    make_hf_model("qwen3_5_text", tmp_path / "hf")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", q8_0=("blk.0.attn_norm.weight",))
+    with pytest.raises(UserError, match="GGUF norm model.layers.0.input_layernorm.weight is not stored as float"):
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
