@@ -74,13 +74,33 @@ def layer_types_of_file(get, tensors: dict, n_layers: int, arch: str) -> list[st
     return kinds
 
 
-def deltanet_keys(get, base: dict, tensors: dict, arch: str) -> dict:
-    """What the three files share: the ssm.* widths of the linear attention (state size =
-    key head width, group count = key heads, time-step rank = value heads), the rotated
-    part of each attention head, the blocks less the appended prediction layers."""
+def attention_keys(get) -> dict:
+    """The full-attention layers' widths and the blocks' norms. A mixture's file may lack
+    feed_forward_length (the converter writes it only where the config has a dense width)."""
+    n_heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length") or 0) or None,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length") or hidden // n_heads),
+        "max_position_embeddings": int(get("context_length", 262144)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000000.0)),
+        "hidden_act": "silu",
+    }
+
+
+def deltanet_keys(get, tensors: dict, arch: str) -> dict:
+    """What the three files share: the attention's keys, the ssm.* widths of the linear
+    attention (state size = key head width, group count = key heads, time-step rank = value
+    heads), the rotated part of each attention head, the blocks less the appended
+    prediction layers."""
+    keys = attention_keys(get)
     n_layers = int(get("block_count")) - int(get("nextn_predict_layers") or 0)
     n_value_heads = int(get("ssm.time_step_rank"))
     return {
+        **keys,
         "num_hidden_layers": n_layers,
         "layer_types": layer_types_of_file(get, tensors, n_layers, arch),
         "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
@@ -88,7 +108,7 @@ def deltanet_keys(get, base: dict, tensors: dict, arch: str) -> dict:
         "linear_num_key_heads": int(get("ssm.group_count")),
         "linear_num_value_heads": n_value_heads,
         "linear_value_head_dim": int(get("ssm.inner_size")) // n_value_heads,
-        "partial_rotary_factor": int(get("rope.dimension_count", base["head_dim"])) / base["head_dim"],
+        "partial_rotary_factor": int(get("rope.dimension_count", keys["head_dim"])) / keys["head_dim"],
     }
 
 
@@ -105,17 +125,17 @@ def expert_keys(get) -> dict:
 
 
 def qwen3next_keys(get, base: dict, tensors: dict) -> dict:
-    return {**deltanet_keys(get, base, tensors, "qwen3next"), **expert_keys(get)}
+    return {**deltanet_keys(get, tensors, "qwen3next"), **expert_keys(get)}
 
 
 def qwen35_keys(get, base: dict, tensors: dict) -> dict:
-    keys = deltanet_keys(get, base, tensors, "qwen35")
+    keys = deltanet_keys(get, tensors, "qwen35")
     check_tiled_columns(tensors, keys, "qwen35")
     return keys
 
 
 def qwen35moe_keys(get, base: dict, tensors: dict) -> dict:
-    keys = deltanet_keys(get, base, tensors, "qwen35moe")
+    keys = deltanet_keys(get, tensors, "qwen35moe")
     check_tiled_columns(tensors, keys, "qwen35moe")
     return {**keys, **expert_keys(get)}
 
@@ -192,11 +212,11 @@ def restore_qwen_next(name: str, data: np.ndarray, config: dict) -> dict[str, np
 
 def deltanet_hybrid(model_type: str, hf_architecture: str, config) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=QWEN_NEXT_NAMES, config=config,
-                restore=restore_qwen_next)
+                restore=restore_qwen_next, standalone=True)
 
 
-# llama.cpp architecture -> GGUFArchitecture fields (llama-shaped attention metadata, so
-# gguf_file's base config applies; not standalone).
+# llama.cpp architecture -> GGUFArchitecture fields; each config reader builds the whole
+# Hugging Face config (standalone).
 QWEN_NEXT_ARCHITECTURES = {
     "qwen3next": deltanet_hybrid("qwen3_next", "Qwen3NextForCausalLM", qwen3next_keys),
     "qwen35": deltanet_hybrid("qwen3_5_text", "Qwen3_5ForCausalLM", qwen35_keys),

@@ -102,14 +102,16 @@ def llama_cpp_tensors(arch, config: dict, weights: dict) -> dict[str, np.ndarray
     return tensors
 
 
-def write_hparams(writer, config: dict, interval: int, extra_blocks: int) -> None:
+def write_hparams(writer, config: dict, interval: int, extra_blocks: int, dense_width: bool) -> None:
     """TextModel's, Qwen2MoeModel's and Qwen3NextModel's set_gguf_parameters (the Qwen3.5
-    classes add the M-RoPE sections)."""
+    classes add the M-RoPE sections); TextModel writes feed_forward_length only when the
+    config has an intermediate_size (``dense_width``)."""
     rope = config["rope_parameters"]
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"] + extra_blocks)
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if dense_width:
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -133,7 +135,7 @@ def write_hparams(writer, config: dict, interval: int, extra_blocks: int) -> Non
 
 
 def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=None, extra_blocks: int = 0,
-                         q8_0: tuple[str, ...] = ()) -> None:
+                         q8_0: tuple[str, ...] = (), dense_width: bool = True) -> None:
     """``edit(tensors)`` changes the llama.cpp tensors, ``hparams(writer)`` adds metadata,
     before writing; ``extra_blocks`` more blocks than the model's (ones ``edit`` adds); the
     tensors whose names end with one of ``q8_0`` are written in Q8_0 blocks."""
@@ -143,7 +145,7 @@ def write_qwen_next_gguf(hf_folder, path, interval: int = 4, edit=None, hparams=
     arch_name = ARCH_OF[config["model_type"]]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     writer = gguf.GGUFWriter(str(path), arch_name)
-    write_hparams(writer, config, interval, extra_blocks)
+    write_hparams(writer, config, interval, extra_blocks, dense_width)
     if hparams:
         hparams(writer)
     writer.add_tokenizer_model("gpt2")
@@ -194,6 +196,15 @@ def test_qwen_next_gguf_matches_transformers(case, tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == hf.config.model_type
     assert config["layer_types"] == hf.config.layer_types
+    np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5_moe_text"])
+def test_mixture_gguf_without_a_dense_width(case, tmp_path):
+    """A mixture whose config has no intermediate_size: its file has no feed_forward_length."""
+    hf = make_hf_model(case, tmp_path / "hf")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", dense_width=False)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
     np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
 
 
