@@ -315,3 +315,16 @@ def test_norm_stored_in_blocks_is_an_error(tmp_path):
     write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", q8_0=("blk.0.attn_norm.weight",))
     with pytest.raises(UserError, match="GGUF norm model.layers.0.input_layernorm.weight is not stored as float"):
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+
+
+def test_value_heads_not_whole_per_key_head_are_an_error(tmp_path, monkeypatch):
+    import gguf
+
+    make_hf_model("qwen3_5_text", tmp_path / "hf")
+    real = gguf.GGUFWriter.add_ssm_time_step_rank
+    monkeypatch.setattr(gguf.GGUFWriter, "add_ssm_time_step_rank", lambda writer, _: real(writer, 3))
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    message = ("GGUF qwen35 has 3 value heads [(]ssm.time_step_rank[)] for 2 key heads [(]ssm.group_count[)]: "
+               "not a whole number per key head")
+    with pytest.raises(UserError, match=message):
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
