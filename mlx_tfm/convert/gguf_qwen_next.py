@@ -141,17 +141,23 @@ def qwen35moe_keys(get, base: dict, tensors: dict) -> dict:
 
 
 def check_tiled_columns(tensors: dict, keys: dict, arch: str) -> None:
-    """``out_proj``'s columns are put back in order a value head at a time; in a quantized
-    tensor that moves whole blocks, so each value head must fill whole blocks."""
+    """Each key head serves a whole number of value heads; ``out_proj``'s columns are put
+    back in order a value head at a time, which in a quantized tensor moves whole blocks,
+    so each value head must fill whole blocks."""
     import gguf
 
-    if keys["linear_num_key_heads"] == keys["linear_num_value_heads"]:
+    n_key, n_value = keys["linear_num_key_heads"], keys["linear_num_value_heads"]
+    if n_key < 1 or n_value % n_key:
+        raise UserError(f"GGUF {arch} has {n_value} value heads (ssm.time_step_rank) for {n_key} key heads "
+                        f"(ssm.group_count): not a whole number per key head")
+    if n_key == n_value:
         return
     width = keys["linear_value_head_dim"]
-    for name, t in tensors.items():
-        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
-        if name.endswith("ssm_out.weight") and width % block:
-            raise UserError(f"GGUF {arch} tensor {name} ({t.tensor_type.name}): value heads of {width} weights "
+    for name in (n for n in tensors if n.endswith("ssm_out.weight")):
+        kind = tensors[name].tensor_type
+        block = gguf.GGML_QUANT_SIZES[kind][0]
+        if width % block:
+            raise UserError(f"GGUF {arch} tensor {name} ({kind.name}): value heads of {width} weights "
                             f"do not fill whole {block}-weight blocks, so its tiled heads cannot be reordered")
 
 
