@@ -43,6 +43,7 @@ from ..families.experts import (
     num_experts_of,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
+from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
 
@@ -335,6 +336,7 @@ GGUF_ARCHITECTURES = {
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
+    **{arch: GGUFArchitecture(**fields) for arch, fields in QWEN_NEXT_ARCHITECTURES.items()},  # Gated DeltaNet hybrids
 }
 
 
