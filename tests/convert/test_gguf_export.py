@@ -48,13 +48,15 @@ def rounded_as(kind: str, weights: dict) -> dict:
         if w.ndim == 2 and kind in ("q8_0", "q4_0") and w.shape[1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType[kind.upper()]
             w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+        elif w.ndim == 2 and kind == "bf16":
+            w = np.array(mx.array(w).astype(mx.bfloat16).astype(mx.float32))
         elif w.ndim == 2 and kind != "f32":
             w = w.astype(np.float16).astype(np.float32)
         out[name] = mx.array(w)
     return out
 
 
-@pytest.mark.parametrize("kind", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_0"])
 def test_stories_export_reads_back_in_transformers_and_ours(kind, tmp_path, stories_hf, golden):
     path = export_gguf(stories_hf, tmp_path / "s.gguf", kind, **QUIET)
     ids = golden["prompt_ids"] + golden["generated_ids"][:40]
