@@ -21,6 +21,7 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
     "relu2": "relu2",
+    "quick_gelu": "quick_gelu",  # CLIP's vision towers
     "xielu": "xielu",  # Apertus: learned per layer (mlx_tfm/model/xielu.py)
 }
 
