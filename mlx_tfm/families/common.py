@@ -103,6 +103,8 @@ class Architecture:
     # float, where mlx-lm's router is no linear layer and cannot read a quantized one).
     routers: str | None = None
     router_bits: int | None = 8
+    # On-disk module paths -q leaves in float unless asked (a vision tower and its projector)
+    unquantized: str | None = None
 
 
 def period_of(layer_types: list[str]) -> int:

@@ -202,26 +202,8 @@ class ModelArgs:
     mixer_residual_factors: dict | None = None
     mlp_residual_factors: tuple[float, float] = (1.0, 1.0)
 
-    # Vision-language models (model/vision_tower.py, model/projectors.py, model/vision_language.py).
-    # A vision tower is kind "encoder" fed patch embeddings (own_embeddings False, learned
-    # positions, CLIP's pre-norm as embedding_norm, the post-norm as final_norm) plus these:
-    image_size: int = 0  # the tower's input edge in pixels (0: not a vision tower)
-    patch_size: int = 0
-    num_channels: int = 3
-    class_token: bool = False  # CLIP: a learned class embedding before the patches
-    patch_bias: bool = True  # the patch convolution's bias (CLIP's has none)
-    # a model of kind "vision-language": its language model is these args (a decoder), its
-    # tower the ModelArgs fields in ``vision``; the projector hands the tower's outputs over
+    # Vision-language models: the tower's and the projector's settings (model/vision_args.py)
     vision: dict | None = None
-    projector: str = ""  # "mlp" (LLaVA) | "pixel_shuffle" (Idefics3, SmolVLM) | "average_pool" (Gemma 3)
-    projector_act: str = "gelu"  # "mlp": linear_1 -> this -> linear_2
-    projector_bias: bool = True
-    vision_feature_layer: int = -1  # "mlp": the tower's hidden states after this layer (-1: the last)
-    vision_feature_select: str = "full"  # "default": the class token dropped; "full": kept
-    projector_scale: int = 2  # "pixel_shuffle": each s x s patches become one token
-    tokens_per_image: int = 0  # "average_pool": tokens after pooling (a square number)
-    image_token_id: int = -1  # the token whose embeddings the image features replace
-    image_attention: str = "causal"  # "bidirectional" (Gemma 3): one image's tokens see each other
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
@@ -278,11 +260,8 @@ class ModelArgs:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        d["rope_layers"] = list(self.rope_layers)
-        d["mlp_only_layers"] = list(self.mlp_only_layers)
-        d["block_sublayers"] = list(self.block_sublayers)
-        d["mamba_time_step_limit"] = list(self.mamba_time_step_limit)
+        for name in ("layer_types", "rope_layers", "mlp_only_layers", "block_sublayers", "mamba_time_step_limit"):
+            d[name] = list(d[name])  # JSON's lists, as config files hold them
         return d
 
 

@@ -8,8 +8,9 @@ row per image token the prompt holds.
 - ``AveragePoolProjector`` (Gemma 3): the patch grid averaged in k x k blocks down to
   ``tokens_per_image``, an RMSNorm scaling by (1 + weight), then a matmul.
 
-``make_projector(args, vision)`` builds the one ``args.projector`` names; every projector
-is ``projector(tower_states (N, P, D_vision)) -> (N, T, D_text)``.
+``make_projector(vision, tower, text)`` builds the one ``vision.projector`` names (from
+``VisionArgs``, the tower's and the language model's ``ModelArgs``); every projector is
+``projector(tower_states (N, P, D_vision)) -> (N, T, D_text)``.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import mlx.nn as nn
 
 from .config import ModelArgs
 from .layers import ACTIVATIONS, RMSNorm
+from .vision_args import VisionArgs
 
 PROJECTORS = ("mlp", "pixel_shuffle", "average_pool")
 
 
 class MLPProjector(nn.Module):
-    def __init__(self, args: ModelArgs, vision: ModelArgs):
+    def __init__(self, vision: VisionArgs, tower: ModelArgs, text: ModelArgs):
         super().__init__()
-        self.drop_class_token = args.vision_feature_select == "default"
-        self.linear_1 = nn.Linear(vision.hidden_size, args.hidden_size, bias=args.projector_bias)
-        self.act = ACTIVATIONS[args.projector_act]
-        self.linear_2 = nn.Linear(args.hidden_size, args.hidden_size, bias=args.projector_bias)
+        self.drop_class_token = vision.vision_feature_select == "default"
+        self.linear_1 = nn.Linear(tower.hidden_size, text.hidden_size, bias=vision.projector_bias)
+        self.act = ACTIVATIONS[vision.projector_act]
+        self.linear_2 = nn.Linear(text.hidden_size, text.hidden_size, bias=vision.projector_bias)
 
     def __call__(self, states: mx.array) -> mx.array:
         if self.drop_class_token:
@@ -62,25 +64,25 @@ class ModalityProjection(nn.Module):
 
 
 class PixelShuffleProjector(nn.Module):
-    def __init__(self, args: ModelArgs, vision: ModelArgs):
+    def __init__(self, vision: VisionArgs, tower: ModelArgs, text: ModelArgs):
         super().__init__()
-        self.scale = args.projector_scale
-        self.modality_projection = ModalityProjection(vision.hidden_size * self.scale ** 2, args.hidden_size)
+        self.scale = vision.projector_scale
+        self.modality_projection = ModalityProjection(tower.hidden_size * self.scale ** 2, text.hidden_size)
 
     def __call__(self, states: mx.array) -> mx.array:
         return self.modality_projection(pixel_shuffle(states, self.scale))
 
 
 class AveragePoolProjector(nn.Module):
-    def __init__(self, args: ModelArgs, vision: ModelArgs):
+    def __init__(self, vision: VisionArgs, tower: ModelArgs, text: ModelArgs):
         super().__init__()
-        self.side = vision.image_size // vision.patch_size
-        tokens_side = math.isqrt(args.tokens_per_image)
-        if tokens_side * tokens_side != args.tokens_per_image or self.side % tokens_side:
-            raise ValueError(f"{args.tokens_per_image} tokens per image do not pool a {self.side}x{self.side} grid")
+        self.side = vision.grid_side
+        tokens_side = math.isqrt(vision.tokens_per_image)
+        if tokens_side * tokens_side != vision.tokens_per_image or self.side % tokens_side:
+            raise ValueError(f"{vision.tokens_per_image} tokens per image do not pool a {self.side}x{self.side} grid")
         self.kernel = self.side // tokens_side
-        self.mm_soft_emb_norm = RMSNorm(vision.hidden_size, vision.norm_eps, weight_offset=1.0)
-        self.mm_input_projection_weight = mx.zeros((vision.hidden_size, args.hidden_size))
+        self.mm_soft_emb_norm = RMSNorm(tower.hidden_size, tower.norm_eps, weight_offset=1.0)
+        self.mm_input_projection_weight = mx.zeros((tower.hidden_size, text.hidden_size))
 
     def __call__(self, states: mx.array) -> mx.array:
         N, P, D = states.shape
@@ -91,12 +93,9 @@ class AveragePoolProjector(nn.Module):
         return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight.astype(pooled.dtype)
 
 
-def make_projector(args: ModelArgs, vision: ModelArgs) -> nn.Module:
-    """The projector ``args.projector`` names, from the tower's width to the text model's."""
-    if args.projector == "mlp":
-        return MLPProjector(args, vision)
-    if args.projector == "pixel_shuffle":
-        return PixelShuffleProjector(args, vision)
-    if args.projector == "average_pool":
-        return AveragePoolProjector(args, vision)
-    raise ValueError(f"unknown projector {args.projector!r} ({', '.join(PROJECTORS)})")
+def make_projector(vision: VisionArgs, tower: ModelArgs, text: ModelArgs) -> nn.Module:
+    """The projector ``vision.projector`` names, from the tower's width to the text model's."""
+    kinds = {"mlp": MLPProjector, "pixel_shuffle": PixelShuffleProjector, "average_pool": AveragePoolProjector}
+    if vision.projector not in kinds:
+        raise ValueError(f"unknown projector {vision.projector!r} ({', '.join(PROJECTORS)})")
+    return kinds[vision.projector](vision, tower, text)

@@ -26,6 +26,7 @@ from .cache import window_mask
 from .config import ModelArgs
 from .projectors import make_projector
 from .transformer import Model
+from .vision_args import VisionArgs
 from .vision_tower import VisionTower
 
 
@@ -73,10 +74,11 @@ class VisionLanguageModel(nn.Module):
         if args.vision is None:
             raise ValueError("a vision-language model needs its tower's arguments (vision)")
         self.args = args
-        self.vision_args = ModelArgs.from_dict(args.vision)
+        self.vision_args = VisionArgs.from_dict(args.vision)
+        tower = self.vision_args.tower_args()
         self.language_model = Model(dataclasses.replace(args, vision=None))
-        self.vision_tower = VisionTower(self.vision_args)
-        self.multi_modal_projector = make_projector(args, self.vision_args)
+        self.vision_tower = VisionTower(tower, self.vision_args)
+        self.multi_modal_projector = make_projector(self.vision_args, tower, args)
 
     def encode_images(self, pixel_values: mx.array, **image_inputs) -> mx.array:
         """Pixel values (n_views, C, H, W) -> image features (n_image_tokens, D), in the
@@ -91,9 +93,9 @@ class VisionLanguageModel(nn.Module):
         ``encode_images``) fill the image tokens' places."""
         if image_features is None:
             return self.language_model(inputs, mask, cache)
-        is_image = inputs == self.args.image_token_id
+        is_image = inputs == self.vision_args.image_token_id
         embeddings = scatter_image_features(self.embed_tokens(inputs, is_image), is_image, image_features)
-        if self.args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
+        if self.vision_args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
             stack, offset = self.language_model.model, cache[0].offset if cache is not None else 0
             # the masks the stack would build from the caches, then each image's block opened
             masks = stack._stack_masks(None, inputs.shape[1], cache, embeddings.dtype)

@@ -7,9 +7,10 @@ learned class embedding first. From there it is ``TransformerModel`` of kind "en
 fed embedded inputs: learned positions added, CLIP's pre-norm (``embedding_norm``),
 bidirectional blocks (LayerNorm, GELU), and SigLIP's post-norm (``final_norm``).
 
-``VisionTower(args)(pixel_values)`` -> (n_views, n_positions, D); every family's
-differences are ``ModelArgs`` fields (``image_size``, ``patch_size``, ``class_token``,
-``patch_bias``, ``embedding_norm``, ``final_norm``, ``hidden_act``...).
+``VisionTower(args, vision)(pixel_values)`` -> (n_views, n_positions, D); every family's
+differences are fields: the encoder's ``ModelArgs`` (``embedding_norm``, ``final_norm``,
+``hidden_act``, ``norm_eps``...) and the patch embedding's ``VisionArgs`` (``image_size``,
+``patch_size``, ``class_token``, ``patch_bias``).
 
 Shapes: N views (images or tiles), C channels, H x W pixels, p patch edge, P patches,
 D the tower's width.
@@ -22,6 +23,7 @@ import mlx.nn as nn
 
 from .config import ModelArgs
 from .transformer import TransformerModel
+from .vision_args import VisionArgs
 
 
 def unfold_patches(pixel_values: mx.array, patch: int) -> mx.array:
@@ -37,12 +39,12 @@ def unfold_patches(pixel_values: mx.array, patch: int) -> mx.array:
 class PatchEmbedding(nn.Module):
     """The patch convolution as a matmul: ``weight`` keeps the checkpoint's (D, C, p, p)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, vision: VisionArgs):
         super().__init__()
-        p = args.patch_size
+        p = vision.patch_size
         self.patch_size = p
-        self.weight = mx.zeros((args.hidden_size, args.num_channels, p, p))
-        if args.patch_bias:
+        self.weight = mx.zeros((args.hidden_size, vision.num_channels, p, p))
+        if vision.patch_bias:
             self.bias = mx.zeros((args.hidden_size,))
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
@@ -55,10 +57,10 @@ class PatchEmbedding(nn.Module):
 class PatchEmbeddings(nn.Module):
     """Patch embeddings, and CLIP's class embedding in front: ``embeddings.*`` in checkpoints."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, vision: VisionArgs):
         super().__init__()
-        self.patch_embedding = PatchEmbedding(args)
-        if args.class_token:
+        self.patch_embedding = PatchEmbedding(args, vision)
+        if vision.class_token:
             self.class_embedding = mx.zeros((args.hidden_size,))
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
@@ -71,28 +73,28 @@ class PatchEmbeddings(nn.Module):
         return mx.concatenate([cls, h], axis=1)
 
 
-def tower_positions(args: ModelArgs) -> int:
+def tower_positions(vision: VisionArgs) -> int:
     """Positions the tower's learned table holds: its patches, plus the class token."""
-    return (args.image_size // args.patch_size) ** 2 + int(args.class_token)
+    return vision.grid_side ** 2 + int(vision.class_token)
 
 
 class VisionTower(nn.Module):
     """``tower(pixel_values (N, C, H, W))`` -> hidden states (N, P (+1), D), the last of
     ``args.num_hidden_layers`` layers (a family reading an earlier layer builds fewer)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, vision: VisionArgs):
         super().__init__()
         if args.kind != "encoder" or args.own_embeddings or args.position_embedding != "learned":
             raise ValueError("a vision tower is kind 'encoder' with learned positions and no token embeddings")
-        if args.max_position_embeddings != tower_positions(args):
+        if args.max_position_embeddings != tower_positions(vision):
             raise ValueError(f"the tower's position table holds {args.max_position_embeddings} positions for "
-                             f"{tower_positions(args)}")
-        self.args = args
-        self.embeddings = PatchEmbeddings(args)
+                             f"{tower_positions(vision)}")
+        self.args, self.image_size = args, vision.image_size
+        self.embeddings = PatchEmbeddings(args, vision)
         self.encoder = TransformerModel(args)
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
-        size = self.args.image_size
+        size = self.image_size
         if pixel_values.shape[-2:] != (size, size):
             raise ValueError(f"the vision tower takes {size}x{size} images, not "
                              f"{pixel_values.shape[-2]}x{pixel_values.shape[-1]}")
