@@ -1,0 +1,87 @@
+"""Images through generation (mlx_tfm/generation/images.py): the Python API
+``generate(model, processor, prompt, images=[...])`` and ``mlx-tfm generate --image``,
+against transformers' processor and generate on a tiny random LLaVA; and the one-line
+refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fixtures.vision_images import two_images
+from fixtures.vision_models import make_vision_model
+from fixtures.vision_processors import processor as hf_processor
+
+from mlx_tfm import load
+from mlx_tfm.errors import UserError
+from mlx_tfm.generation.stream import generate, stream_generate
+
+PROMPT = "user: describe <image> and <image> assistant:"
+
+
+@pytest.fixture(scope="module")
+def llava_folder(tmp_path_factory):
+    """A tiny LLaVA whose <image> token is the word tokenizer's, with its processor files."""
+    folder = tmp_path_factory.mktemp("llava")
+    reference = hf_processor("llava", tokens_per_view=0)
+    image_id = reference.tokenizer.convert_tokens_to_ids("<image>")
+    hf = make_vision_model("llava", folder, image_token_index=image_id)
+    reference.tokenizer.save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"patch_size": 8, "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}))
+    return folder, hf, reference
+
+
+def test_generate_with_images_matches_transformers(llava_folder, tmp_path):
+    import torch
+
+    folder, hf, reference = llava_folder
+    for i, image in enumerate(two_images()):
+        image.save(tmp_path / f"{i}.png")
+    model, processor = load(folder)
+    tokens = [r.token for r in stream_generate(model, processor, PROMPT, images=[tmp_path / "0.png", tmp_path / "1.png"],
+                                               max_tokens=6)]
+    inputs = reference(text=PROMPT, images=two_images(), return_tensors="pt")
+    ours, _ = processor.prepare(PROMPT, two_images())
+    assert ours == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = hf.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert tokens == expected[0, len(ours):].tolist()
+    assert isinstance(generate(model, processor, PROMPT, images=two_images(), max_tokens=2), str)
+
+
+def test_an_image_for_a_text_only_model_is_one_line(stories_hf):
+    model, tokenizer = load(stories_hf)
+    with pytest.raises(UserError, match="reads text only: it takes no images") as error:
+        generate(model, tokenizer, "Once", images=two_images()[:1], max_tokens=2)
+    assert "\n" not in str(error.value)
+
+
+def test_placeholders_unlike_the_images_are_one_line(llava_folder):
+    model, processor = load(llava_folder[0])
+    with pytest.raises(UserError, match="1 <image> placeholder"):
+        generate(model, processor, "describe <image>", images=two_images(), max_tokens=2)
+
+
+def run_generate(*args):
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "mlx_tfm", "generate", *args], capture_output=True, text=True,
+                          timeout=300, env=environment)
+
+
+def test_the_image_flag(llava_folder, tmp_path):
+    folder, _, _ = llava_folder
+    for i, image in enumerate(two_images()):
+        image.save(tmp_path / f"{i}.png")
+    model, processor = load(folder)
+    expected = generate(model, processor, PROMPT, images=two_images(), max_tokens=4)
+    result = run_generate("--model", str(folder), "--image", str(tmp_path / "0.png"), "--image", str(tmp_path / "1.png"),
+                          "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "4", "--verbose", "false")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected.strip()
+    (tmp_path / "bad.png").write_text("not an image")
+    bad = run_generate("--model", str(folder), "--image", str(tmp_path / "bad.png"), "--prompt", "describe",
+                       "--ignore-chat-template", "--max-tokens", "2")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+    assert "is not an image" in bad.stderr
