@@ -6,7 +6,7 @@ What transformers' slow (PIL) image processors do, for the families mlx_tfm read
   (bicubic), a centre crop of ``crop_size``;
 - ``"siglip"`` (SiglipImageProcessor, Gemma3ImageProcessor without pan-and-scan): a resize
   to a fixed height and width;
-- ``"idefics3"`` (Idefics3ImageProcessor, SmolVLM): the longest edge resized to
+- ``"idefics3"`` (Idefics3ImageProcessor, SmolVLMImageProcessor): the longest edge resized to
   ``longest_edge``, then up to multiples of ``tile`` (the encoder's ``max_image_size``),
   cut into ``rows x cols`` tiles of ``tile`` plus a global view of the whole image at
   ``tile x tile`` (no tiles when the image fits one).
@@ -68,6 +68,7 @@ PROCESSOR_TYPES = {
     "SiglipImageProcessor": ("siglip", Image.BICUBIC, HALF, HALF),
     "Gemma3ImageProcessor": ("siglip", Image.BILINEAR, HALF, HALF),
     "Idefics3ImageProcessor": ("idefics3", Image.LANCZOS, HALF, HALF),
+    "SmolVLMImageProcessor": ("idefics3", Image.LANCZOS, HALF, HALF),  # Idefics3's, renamed
 }
 
 

@@ -18,19 +18,19 @@ def reference(name: str):
     return processor, processor.to_dict()
 
 
-@pytest.mark.parametrize("name", ["clip", "siglip", "gemma3", "idefics3"])
+@pytest.mark.parametrize("name", ["clip", "siglip", "gemma3", "idefics3", "smolvlm"])
 def test_pixel_values_match_transformers(name):
     processor, config = reference(name)
     ours = preprocess_images(two_images(), read_image_processing(config))
     for i, image in enumerate(two_images()):
         theirs = processor(images=[image], return_tensors="np", **(
-            {"return_row_col_info": True} if name == "idefics3" else {}))
+            {"return_row_col_info": True} if name in ("idefics3", "smolvlm") else {}))
         expected = np.asarray(theirs["pixel_values"]).reshape(-1, *ours["pixel_values"].shape[1:])
         start = sum(ours["views"][:i])
         got = ours["pixel_values"][start:start + ours["views"][i]]
         assert got.shape == expected.shape
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
-        if name == "idefics3":
+        if name in ("idefics3", "smolvlm"):
             assert (ours["rows"][i], ours["cols"][i]) == (theirs["rows"][0][0], theirs["cols"][0][0])
 
 
