@@ -53,7 +53,7 @@ def add_arguments(parser) -> None:
                         help="reuse (or create) a saved cache of the prompt's prefix (default: none)")
     parser.add_argument("--image", action="append", default=[],
                         help="an image file for an image-text model (repeatable; the prompt's placeholders, "
-                             "or its start, take them)")
+                             "or its start, take them; default: none)")
     parser.add_argument("--stop", action="append", default=[], type=free_text,
                         help="stop when this text appears (repeatable; default: none)")
     parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
