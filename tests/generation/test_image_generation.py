@@ -85,3 +85,20 @@ def test_the_image_flag(llava_folder, tmp_path):
                        "--ignore-chat-template", "--max-tokens", "2")
     assert bad.returncode == 1 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
     assert "is not an image" in bad.stderr
+
+
+def test_a_prefill_in_chunks_gives_each_chunk_its_images_features(llava_folder):
+    """ImageBoundModel counts the image tokens before each chunk: a prompt fed 7 tokens at a
+    time gives the logits of one pass over it."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_tfm.generation.images import bind_images
+
+    model, processor = load(llava_folder[0])
+    bound, ids = bind_images(model, processor, PROMPT, two_images())
+    whole = np.array(bound(mx.array([ids]), cache=bound.make_cache())[0])
+    cache, pieces = bound.make_cache(), []
+    for start in range(0, len(ids), 7):
+        pieces.append(np.array(bound(mx.array([ids[start:start + 7]]), cache=cache)[0]))
+    np.testing.assert_allclose(np.concatenate(pieces), whole, atol=1e-4, rtol=0)
