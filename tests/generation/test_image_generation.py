@@ -102,3 +102,10 @@ def test_a_prefill_in_chunks_gives_each_chunk_its_images_features(llava_folder):
     for start in range(0, len(ids), 7):
         pieces.append(np.array(bound(mx.array([ids[start:start + 7]]), cache=cache)[0]))
     np.testing.assert_allclose(np.concatenate(pieces), whole, atol=1e-4, rtol=0)
+
+
+def test_too_many_images_for_the_context_is_one_line(llava_folder):
+    """The tiny LLaVA's context is 1024 positions; 70 images of 16 tokens do not fit."""
+    model, processor = load(llava_folder[0])
+    with pytest.raises(UserError, match="70 image.s. takes 11[0-9][0-9] tokens and the context holds 1024"):
+        generate(model, processor, "describe", images=two_images()[:1] * 70, max_tokens=2)
