@@ -120,6 +120,11 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.model
 
     @property
+    def lm_head(self) -> nn.Module:
+        """The language model's untied head (training reads it as a decoder's)."""
+        return self.language_model.lm_head
+
+    @property
     def layers(self) -> list:
         return self.language_model.layers
 
