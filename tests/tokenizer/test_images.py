@@ -114,3 +114,9 @@ def test_a_placeholder_count_unlike_the_images_is_one_line():
     prompt = read_image_prompt("llava", {"patch_size": 8}, {"vision_config": {"image_size": 32}})
     with pytest.raises(UserError, match="1 <image> placeholder"):
         expand_image_placeholders("describe <image>", prompt, [0, 0], [0, 0])
+
+
+def test_gemma3_pan_and_scan_is_refused_in_one_line():
+    with pytest.raises(UserError, match="pan-and-scan crops are not supported"):
+        read_image_processing({"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True,
+                               "size": {"height": 32, "width": 32}})
