@@ -66,6 +66,10 @@ def load(path_or_repo: str | Path, adapter_path: str | Path | None = None, dtype
 
         load_adapters(model, adapter_path)
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    if model.args.vision is not None:  # an image-text model: its tokenizer prepares images too
+        from .tokenizer.vision_processor import read_vision_processor
+
+        tokenizer = read_vision_processor(folder, tokenizer, config) or tokenizer
     return model, tokenizer
 
 

@@ -60,6 +60,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, quantize_flags: b
                              "mixture-of-experts models stay at 8 bits. (default: none, every weight at --q-bits)")
     if quantize_flags:
         parser.add_argument("-d", "--dequantize", action="store_true", help="Dequantize a quantized source.")
+        parser.add_argument("--quantize-vision", action="store_true",
+                            help="With -q, quantize an image-text model's vision tower and projector too "
+                                 "(default: they stay in float).")
     parser.add_argument("--overwrite", action="store_true", help="Replace --mlx-path if it exists.")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="Split the weights into files of at most this size (default 5GB).")
@@ -93,5 +96,5 @@ def convert_with(args: argparse.Namespace, source: str, kind: str | None = None)
     convert(source, args.mlx_path, quantize=getattr(args, "quantize", True), q_group_size=args.q_group_size,
             q_bits=args.q_bits, dtype=args.dtype, dequantize=getattr(args, "dequantize", False),
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, quant_predicate=args.quant_predicate,
-            awq=awq)
+            awq=awq, quantize_vision=getattr(args, "quantize_vision", False))
     return 0

@@ -51,6 +51,9 @@ def add_arguments(parser) -> None:
                              "model's context)")
     parser.add_argument("--prompt-cache-file",
                         help="reuse (or create) a saved cache of the prompt's prefix (default: none)")
+    parser.add_argument("--image", action="append", default=[],
+                        help="an image file for an image-text model (repeatable; the prompt's placeholders, "
+                             "or its start, take them; default: none)")
     parser.add_argument("--stop", action="append", default=[], type=free_text,
                         help="stop when this text appears (repeatable; default: none)")
     parser.add_argument("--verbose", type=str_to_bool, nargs="?", const=True, default=True,
@@ -74,6 +77,8 @@ def run(args) -> int:
                             shard=sharding_flags.splitter(args, world))
     if model.args.kind != "decoder":
         return run_text_to_text(args, model, tokenizer, sampling)
+    if args.image:
+        return run_with_images(args, model, tokenizer, sampling)
     check_vocabulary(model, tokenizer)
     decoding_flags.check_model(args, model)
     draft_model = decoding_flags.load_draft_model(args, tokenizer)
@@ -92,6 +97,29 @@ def run(args) -> int:
     print(flush=True)
     if cache_file is not None and not cache_file.exists():
         save_prompt_only(cache_file, token_cache, prompt_tokens, generated)
+    if args.verbose and response is not None:
+        print(format_stats(response), file=sys.stderr)
+    return 0
+
+
+def run_with_images(args, model, tokenizer, sampling) -> int:
+    """An image-text model over ``--image`` files and the prompt (generation/images.py)."""
+    from ..errors import UserError
+    from ..generation.images import image_prompt_text
+    from ..generation.stream import format_stats, stream_generate
+
+    refused = [flag for flag, value in (("--prompt-cache-file", args.prompt_cache_file),
+                                        ("--draft-model", args.draft_model),
+                                        ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)) if value]
+    if refused:
+        raise UserError(f"{refused[0]} does not work with --image yet")
+    text = image_prompt_text(model, tokenizer, read_prompt(args.prompt), len(args.image), args.system_prompt,
+                             args.ignore_chat_template)
+    response = None
+    for response in stream_generate(model, tokenizer, text, images=args.image, max_tokens=args.max_tokens,
+                                    sampling=sampling, stop_strings=args.stop):
+        print(response.text, end="", flush=True)
+    print(flush=True)
     if args.verbose and response is not None:
         print(format_stats(response), file=sys.stderr)
     return 0

@@ -127,12 +127,15 @@ def convert(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
     quant_predicate: str | None = None,
     awq: dict | None = None,
+    quantize_vision: bool = False,
     log=print,
 ) -> Path:
     """Convert ``hf_path`` (a folder, a llama2.c or GGUF file, or a hub repo id) into an
     MLX folder at ``mlx_path``. ``quant_predicate``: one of mlx_lm.convert's mixed-bit
     recipes (``QUANT_RECIPES``). ``awq``: scale the weights as AWQ does before quantizing
-    (``awq.awq_weights``' keywords: data, samples, sequence_length). Returns the folder."""
+    (``awq.awq_weights``' keywords: data, samples, sequence_length). ``quantize_vision``: -q
+    quantizes an image-text model's vision tower and projector too (else they stay in
+    float). Returns the folder."""
     if quantize and dequantize:
         raise UserError("choose either --quantize or --dequantize, not both")
     if awq is not None and not quantize:
@@ -167,7 +170,8 @@ def convert(
         q_group_size=q_group_size,
         dequantize=dequantize,
         plan=quantization_plan(weights, q_group_size, q_bits, quant_predicate, args.num_hidden_layers,
-                               architecture_for(source.config).routers, architecture_for(source.config).router_bits),
+                               architecture_for(source.config).routers, architecture_for(source.config).router_bits,
+                               None if quantize_vision else architecture_for(source.config).unquantized),
     )
     config = output_config(source.config, quantization, dtype_name(weights))
     for stale in remove_stale_temporaries(target.parent, target.name):

@@ -36,12 +36,14 @@ from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
 from .state_space import STATE_SPACE
+from .vision import VISION_LANGUAGE
 
 
 # The table: every model_type we build, each family kind in its own file.
 ARCHITECTURES: dict[str, Architecture] = {
     **DECODERS, **MIXTURES, **ENCODERS, **MORE_DECODERS, **MORE_MIXTURES, **GEMMA4, **LLAMA4,
     **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT, **KIMI, **MINIMAX,
+    **VISION_LANGUAGE,  # image-text models (llava, idefics3, smolvlm, gemma3): after DECODERS' text-only gemma3
 }
 
 

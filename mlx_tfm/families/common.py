@@ -21,6 +21,7 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
     "relu2": "relu2",
+    "quick_gelu": "quick_gelu",  # CLIP's vision towers
     "xielu": "xielu",  # Apertus: learned per layer (mlx_tfm/model/xielu.py)
 }
 
@@ -102,6 +103,8 @@ class Architecture:
     # float, where mlx-lm's router is no linear layer and cannot read a quantized one).
     routers: str | None = None
     router_bits: int | None = 8
+    # On-disk module paths -q leaves in float unless asked (a vision tower and its projector)
+    unquantized: str | None = None
 
 
 def period_of(layer_types: list[str]) -> int:

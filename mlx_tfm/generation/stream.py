@@ -11,6 +11,7 @@ included (also an EOS token or the token that completed a stop string). So
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,6 +20,7 @@ import mlx.core as mx
 
 from ..model.cache import check_quantizable, quantized_layers
 from ..tokenizer import Tokenizer
+from .images import bind_images
 from .settings import GenerationSettings
 from .step import (
     check_prompt_tokens,
@@ -113,7 +115,8 @@ class TextPieces:
 
 def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int] | mx.array,
                     settings: GenerationSettings | None = None, *, prompt_cache: list | None = None,
-                    draft_cache: list | None = None, **options) -> Iterator[GenerationResponse]:
+                    draft_cache: list | None = None, images: list | None = None,
+                    **options) -> Iterator[GenerationResponse]:
     """Yield a ``GenerationResponse`` per generated token, the last one with a
     ``finish_reason``. Stops on the tokenizer's EOS ids (not shown) and on the stop
     strings (not shown either). See the module docstring for what the ``prompt_cache``
@@ -122,8 +125,14 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int] | mx.ar
     ``settings`` (a ``GenerationSettings``) says how; ``options`` replace its fields by
     keyword, as mlx-lm's are given (``max_tokens=100, sampler=...``) or sampling's
     (``temp=0.7, top_k=40, seed=1``). An encoder-decoder (T5) reads ``prompt`` with its
-    encoder once and decodes from its start token."""
+    encoder once and decodes from its start token. ``images`` (paths, bytes or PIL images):
+    for an image-text model, whose ``tokenizer`` is then its ``VisionProcessor``; the
+    prompt's placeholders (or its start) take them (generation/images.py)."""
     settings = GenerationSettings.build(settings, **options)
+    if images:
+        model, prompt = bind_images(model, tokenizer, prompt, images)
+        # the whole prompt in one pass: Gemma 3's image tokens attend to each other both ways
+        settings = dataclasses.replace(settings, prefill_step_size=max(settings.prefill_step_size, len(prompt)))
     if model.args.kind != "decoder":
         model, prompt = decoder_for_prompt(model, tokenizer, prompt)
     check_vocabulary(model, tokenizer)

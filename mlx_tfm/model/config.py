@@ -202,6 +202,9 @@ class ModelArgs:
     mixer_residual_factors: dict | None = None
     mlp_residual_factors: tuple[float, float] = (1.0, 1.0)
 
+    # Vision-language models: the tower's and the projector's settings (model/vision_args.py)
+    vision: dict | None = None
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""
@@ -257,11 +260,8 @@ class ModelArgs:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        d["rope_layers"] = list(self.rope_layers)
-        d["mlp_only_layers"] = list(self.mlp_only_layers)
-        d["block_sublayers"] = list(self.block_sublayers)
-        d["mamba_time_step_limit"] = list(self.mamba_time_step_limit)
+        for name in ("layer_types", "rope_layers", "mlp_only_layers", "block_sublayers", "mamba_time_step_limit"):
+            d[name] = list(d[name])  # JSON's lists, as config files hold them
         return d
 
 

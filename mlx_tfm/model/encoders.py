@@ -26,6 +26,7 @@ from .cache import CrossAttentionCache, KVCache
 from .config import ModelArgs
 from .heads import ClassificationHead, MaskedLMHead
 from .transformer import Model, TransformerModel
+from .vision_language import VisionLanguageModel
 
 HEADS = ("none", "masked_lm", "classification")
 KINDS = ("decoder", "encoder", "encoder-decoder")
@@ -168,6 +169,8 @@ def make_model(args: ModelArgs) -> nn.Module:
     ``EncoderDecoderModel``."""
     if args.kind not in KINDS:
         raise ValueError(f"unknown kind {args.kind!r} ({', '.join(KINDS)})")
+    if args.vision is not None:  # a decoder reading images too
+        return VisionLanguageModel(args)
     if args.kind == "encoder":
         return EncoderModel(args)
     if args.kind == "encoder-decoder":

@@ -73,6 +73,7 @@ ACTIVATIONS = {
     "gelu_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))
     "relu": nn.relu,
     "relu2": lambda x: mx.square(nn.relu(x)),  # Primer's squared ReLU (Arcee)
+    "quick_gelu": lambda x: x * mx.sigmoid(1.702 * x),  # CLIP's towers (LLaVA)
 }
 
 

@@ -242,15 +242,20 @@ class TransformerModel(nn.Module):
                 stack_modules(args))
 
     def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
-                 cross: list[CrossAttentionCache] | None = None) -> mx.array:
+                 cross: list[CrossAttentionCache] | None = None, input_embeddings: mx.array | None = None) -> mx.array:
         """Token ids (B, L), or embedded inputs (B, L, D) when the stack does not own its
         embeddings, -> hidden states (B, L, D). Encoders (kind "encoder") attend both ways:
         ``mask`` is then their padding mask (B, 1, 1, S), True at tokens. ``cross``: one
-        ``CrossAttentionCache`` per layer of an encoder-decoder's decoder."""
+        ``CrossAttentionCache`` per layer of an encoder-decoder's decoder. ``input_embeddings``
+        (B, L, D): the embedded (and scaled) tokens to run instead of looking ``inputs`` up,
+        as a vision-language model makes them (model/vision_language.py)."""
         B, L = inputs.shape[:2]
-        h = self.embed_tokens(inputs) if self.args.own_embeddings else inputs  # (B, L, D)
-        if self.args.embedding_scale is not None:
-            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        if input_embeddings is not None:
+            h = input_embeddings
+        else:
+            h = self.embed_tokens(inputs) if self.args.own_embeddings else inputs  # (B, L, D)
+            if self.args.embedding_scale is not None:
+                h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         offset = cache[0].offset if cache is not None else 0
         if self.args.position_embedding == "learned":
             positions = position_ids(offset, L) + self.args.position_offset  # offset: int, or (B,) per row
@@ -281,6 +286,8 @@ class TransformerModel(nn.Module):
         Decoders: ``mask`` as given, else causal and windowed from each cache; encoders:
         the padding ``mask`` both ways, banded on sliding-window layers; stacks with T5's
         relative position bias: one additive mask shared by every layer."""
+        if isinstance(mask, list):  # one per layer, built by the caller (vision_language.py)
+            return mask
         if self.args.relative_attention_num_buckets:
             return [self._biased_mask(mask, length, cache, dtype)] * len(self.layers)
         if self.args.kind == "encoder":
@@ -328,9 +335,11 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.lm_head_bias)
 
-    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None) -> mx.array:
-        """Token ids (B, L) -> logits (B, L, vocab_size)."""
-        return self.head(self.model(inputs, mask, cache))
+    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab_size); ``input_embeddings``: as
+        ``TransformerModel`` takes them."""
+        return self.head(self.model(inputs, mask, cache, input_embeddings=input_embeddings))
 
     def head(self, h: mx.array) -> mx.array:
         """Final hidden states (B, L, D) -> logits (B, L, vocab_size). Separate so that

@@ -34,6 +34,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "preprocessor_config.json",  # image-text models: images -> pixel values (tokenizer/images.py)
+    "processor_config.json",  # ... and their place in the prompt (tokenizer/image_tokens.py)
 )
 
 

@@ -106,10 +106,11 @@ def recipe_settings(recipe: str, n_layers: int, group_size: int) -> Callable[[st
 
 
 def quantization_plan(weights: dict, group_size: int, bits: int, recipe: str | None = None, n_layers: int = 0,
-                      routers: str | None = None, router_bits: int | None = 8) -> Callable[[str], dict | None]:
+                      routers: str | None = None, router_bits: int | None = 8,
+                      keep_float: str | None = None) -> Callable[[str], dict | None]:
     """Module path -> the settings it is quantized with, or None to keep it in float: routers
-    (``routers``, a regex of on-disk paths) at ``router_bits`` (None: float), the rest by
-    ``recipe`` or at ``bits``."""
+    (``routers``, a regex of on-disk paths) at ``router_bits`` (None: float), paths matching
+    ``keep_float`` in float, the rest by ``recipe`` or at ``bits``."""
     if recipe is not None and recipe not in QUANT_RECIPES:
         raise UserError(f"unknown quantization recipe {recipe!r}; choose one of {', '.join(QUANT_RECIPES)}")
     if recipe is not None and not any("down_proj" in name for name in weights):
@@ -120,6 +121,8 @@ def quantization_plan(weights: dict, group_size: int, bits: int, recipe: str | N
     router_settings = {**ROUTER_QUANTIZATION, "bits": router_bits} if router_bits else None
 
     def plan(path: str) -> dict | None:
+        if keep_float is not None and re.fullmatch(keep_float, path):
+            return None
         if router is not None and router.fullmatch(path):
             return router_settings
         return by_recipe(path) if by_recipe else default

@@ -1,0 +1,132 @@
+"""A vision-language model: a vision tower, a projector, and the one language model.
+
+``encode_images(pixel_values, **image_inputs)`` runs the tower over every view (an image,
+or Idefics3's tiles and global view) and the projector, and returns one row per image token
+(n_image_tokens, D). A tower is any module ``tower(pixel_values, **image_inputs)`` ->
+(n_views, positions, D_vision) and a projector any ``projector(states)`` -> (n_views, tokens,
+D), so towers with extra inputs (Qwen's grid_thw) fit the same call.
+
+``model(tokens, cache=cache, image_features=features)`` embeds the text tokens, puts the
+image features at the image-token positions (in order), and runs the language model on
+those embeddings; with Gemma 3 (``image_attention`` "bidirectional") the tokens of one image
+also see each other during that forward pass. The KV cache is the language model's own, so
+what follows the prompt is plain text decoding: ``model(tokens, cache=cache)``.
+
+Shapes: B batch, L positions, S keys, D the language model's width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import window_mask
+from .config import ModelArgs
+from .projectors import make_projector
+from .transformer import Model
+from .vision_args import VisionArgs
+from .vision_tower import VisionTower
+
+
+def scatter_image_features(embeddings: mx.array, is_image: mx.array, features: mx.array) -> mx.array:
+    """``embeddings`` (B, L, D) with the rows where ``is_image`` (B, L) is True replaced,
+    row-major, by ``features`` (n_image_tokens, D), whose count must match."""
+    B, L, D = embeddings.shape
+    n_tokens, n_features = int(is_image.sum().item()), features.shape[0]
+    if n_tokens != n_features:
+        raise ValueError(f"the prompt has {n_tokens} image tokens for {n_features} image features")
+    flat = is_image.reshape(-1)  # (B * L,)
+    order = mx.maximum(mx.cumsum(flat.astype(mx.int32)) - 1, 0)  # which feature each image token takes
+    placed = features.astype(embeddings.dtype)[order].reshape(B, L, D) if n_features else embeddings
+    return mx.where(is_image[..., None], placed, embeddings)
+
+
+def image_blocks(is_image: mx.array) -> mx.array:
+    """(B, L) -> (B, L) int: the index of the run of image tokens each position is in, -1
+    for text. Consecutive image tokens are one image."""
+    as_int = is_image.astype(mx.int32)
+    before = mx.concatenate([mx.zeros_like(as_int[:, :1]), as_int[:, :-1]], axis=1)
+    starts = as_int * (1 - before)  # 1 where a run begins
+    return mx.where(is_image, mx.cumsum(starts, axis=1) - 1, -1)
+
+
+def with_image_blocks(mask, is_image: mx.array, offset: int) -> mx.array:
+    """A layer's mask (``"causal"`` or boolean (L, S), the chunk's queries last of S keys;
+    ``offset`` positions before it) widened so that each image's tokens in this chunk see
+    each other: (B, 1, L, S)."""
+    B, L = is_image.shape
+    if isinstance(mask, str) or mask is None:
+        mask = window_mask(mx.arange(offset, offset + L), mx.arange(offset + L), None)
+    S = mask.shape[-1]
+    blocks = image_blocks(is_image)
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)  # (B, L, L)
+    same = mx.concatenate([mx.zeros((B, L, S - L), mx.bool_), same], axis=2)  # (B, L, S)
+    return (mask.reshape(-1, L, S) | same)[:, None]  # (B, 1, L, S)
+
+
+class VisionLanguageModel(nn.Module):
+    """``language_model`` (a decoder ``Model``), ``vision_tower``, ``multi_modal_projector``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.vision is None:
+            raise ValueError("a vision-language model needs its tower's arguments (vision)")
+        self.args = args
+        self.vision_args = VisionArgs.from_dict(args.vision)
+        tower = self.vision_args.tower_args()
+        self.language_model = Model(dataclasses.replace(args, vision=None))
+        self.vision_tower = VisionTower(tower, self.vision_args)
+        self.multi_modal_projector = make_projector(self.vision_args, tower, args)
+
+    def encode_images(self, pixel_values: mx.array, **image_inputs) -> mx.array:
+        """Pixel values (n_views, C, H, W) -> image features (n_image_tokens, D), in the
+        order the prompt's image tokens take them."""
+        states = self.vision_tower(pixel_values, **image_inputs)
+        features = self.multi_modal_projector(states)  # (n_views, tokens, D)
+        return features.reshape(-1, features.shape[-1])
+
+    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
+                 image_features: mx.array | None = None) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab_size); ``image_features`` (from
+        ``encode_images``) fill the image tokens' places."""
+        if image_features is None:
+            return self.language_model(inputs, mask, cache)
+        is_image = inputs == self.vision_args.image_token_id
+        embeddings = scatter_image_features(self.embed_tokens(inputs, is_image), is_image, image_features)
+        if self.vision_args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
+            stack, offset = self.language_model.model, cache[0].offset if cache is not None else 0
+            # the masks the stack would build from the caches, then each image's block opened
+            masks = stack._stack_masks(None, inputs.shape[1], cache, embeddings.dtype)
+            mask = [with_image_blocks(m, is_image, offset) for m in masks]
+        return self.language_model(inputs, mask, cache, input_embeddings=embeddings)
+
+    def embed_tokens(self, inputs: mx.array, is_image: mx.array) -> mx.array:
+        """The text embeddings (B, L, D), scaled as the language model scales them; image
+        tokens are looked up as token 0 (their id may lie past the table)."""
+        stack = self.language_model.model
+        h = stack.embed_tokens(mx.where(is_image, 0, inputs))
+        if self.args.embedding_scale is not None:
+            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        return h
+
+    def head(self, h: mx.array) -> mx.array:
+        return self.language_model.head(h)
+
+    @property
+    def model(self):
+        """The language model's stack (``model.*`` of a decoder), for code that reads it."""
+        return self.language_model.model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The language model's untied head (training reads it as a decoder's)."""
+        return self.language_model.lm_head
+
+    @property
+    def layers(self) -> list:
+        return self.language_model.layers
+
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
+        return self.language_model.make_cache(max_kv_size, keep)

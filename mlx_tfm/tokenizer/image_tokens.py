@@ -1,0 +1,85 @@
+"""An image's place in the prompt: each placeholder the text (or the chat template) writes
+is expanded into the tokens the model's image features will replace, as transformers'
+processors do:
+
+- LLaVA: ``<image>`` -> ``<image>`` once per patch the projector keeps;
+- Idefics3 / SmolVLM: ``<image>`` -> for each tile ``<fake_token_around_image><row_r_col_c>``
+  plus ``image_seq_len`` ``<image>`` tokens, a newline after each row of tiles, then
+  ``\\n<fake_token_around_image><global-img>``, the global view's tokens and a closing
+  ``<fake_token_around_image>`` (one image that fits one tile: only the global part);
+- Gemma 3: ``<start_of_image>`` -> ``\\n\\n<start_of_image>``, ``mm_tokens_per_image`` soft
+  tokens ``<image_soft_token>``, ``<end_of_image>\\n\\n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+KINDS = ("llava", "idefics3", "gemma3")
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """How one family writes an image into its prompt (``read_image_prompt`` builds it)."""
+
+    kind: str  # "llava" | "idefics3" | "gemma3"
+    placeholder: str  # what the prompt holds once per image
+    image_token: str  # the token whose embeddings the image features replace
+    tokens_per_view: int  # image tokens per view (a tile or the whole image)
+
+
+def llava_tokens(crop: tuple[int, int], patch_size: int, extra_tokens: int, strategy: str) -> int:
+    """LLaVA's image tokens: one per patch, plus the tower's extra tokens (CLS), less the
+    one the "default" feature strategy drops."""
+    count = (crop[0] // patch_size) * (crop[1] // patch_size) + extra_tokens
+    return count - 1 if strategy == "default" else count
+
+
+def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
+    """The family's ``ImagePrompt`` from ``processor_config.json`` (``processor``) and the
+    model's ``config.json`` (``config``), with transformers' defaults for what they omit."""
+    if kind == "llava":
+        vision = config.get("vision_config") or {}
+        size = vision.get("image_size", 336)
+        count = llava_tokens((size, size), processor.get("patch_size") or vision.get("patch_size", 14),
+                             processor.get("num_additional_image_tokens", 0),
+                             processor.get("vision_feature_select_strategy") or config.get(
+                                 "vision_feature_select_strategy", "default"))
+        return ImagePrompt("llava", "<image>", "<image>", count)
+    if kind == "idefics3":
+        return ImagePrompt("idefics3", "<image>", "<image>", processor.get("image_seq_len", 169))
+    if kind == "gemma3":
+        count = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+        return ImagePrompt("gemma3", "<start_of_image>", "<image_soft_token>", count)
+    raise UserError(f"unknown image prompt kind {kind!r} ({', '.join(KINDS)})")
+
+
+def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0) -> str:
+    """The text one image's placeholder becomes (``rows x cols``: Idefics3's tile grid)."""
+    tokens = prompt.image_token * prompt.tokens_per_view
+    if prompt.kind == "llava":
+        return tokens
+    if prompt.kind == "gemma3":
+        return f"\n\n<start_of_image>{tokens}<end_of_image>\n\n"
+    around = "<fake_token_around_image>"
+    global_view = f"{around}<global-img>{tokens}{around}"
+    if rows == 0 and cols == 0:
+        return global_view
+    grid = "".join("".join(f"{around}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
+                   for r in range(rows))
+    return f"{grid}\n{global_view}"
+
+
+def expand_image_placeholders(text: str, prompt: ImagePrompt, rows: list[int], cols: list[int]) -> str:
+    """``text`` with its i-th placeholder replaced by image i's tokens; as many
+    placeholders as images, else a ``UserError``."""
+    pieces = text.split(prompt.placeholder)
+    if len(pieces) - 1 != len(rows):
+        raise UserError(f"the prompt has {len(pieces) - 1} {prompt.placeholder} placeholder(s) for {len(rows)} "
+                        "image(s): write one where each image goes")
+    out = [pieces[0]]
+    for i, piece in enumerate(pieces[1:]):
+        out += [image_text(prompt, rows[i], cols[i]), piece]
+    return "".join(out)

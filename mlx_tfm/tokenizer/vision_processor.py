@@ -1,0 +1,72 @@
+"""``VisionProcessor``: an image-text model's tokenizer that also turns images into its
+inputs: ``prepare(text, images)`` -> the prompt's token ids, its image placeholders
+expanded (image_tokens.py), and the pixel values of every view (images.py).
+
+``read_vision_processor(folder, tokenizer, config)`` builds it from the folder's
+preprocessor_config.json (how pixels are made), processor_config.json (how many tokens an
+image takes, where the family keeps that there) and config.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from ..jsonfile import read_json
+from . import Tokenizer
+from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
+from .images import ImageProcessing, preprocess_images, read_image_processing
+
+# model_type -> how its prompt writes an image (image_tokens.KINDS)
+PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3"}
+
+
+class VisionProcessor(Tokenizer):
+    """A ``Tokenizer`` (everything text works as before) with ``processing`` (pixels) and
+    ``image_prompt`` (the image's tokens in the prompt)."""
+
+    def __init__(self, tokenizer: Tokenizer, processing: ImageProcessing, image_prompt: ImagePrompt):
+        super().__init__(tokenizer._backend, tokenizer.bos_token_id, tokenizer.eos_token_ids,
+                         tokenizer.special_tokens, tokenizer.chat_template)
+        self.processing = processing
+        self.image_prompt = image_prompt
+
+    @property
+    def placeholder(self) -> str:
+        """What a prompt writes where an image goes (``<image>``, ``<start_of_image>``)."""
+        return self.image_prompt.placeholder
+
+    def prepare(self, text: str, images: list) -> tuple[list[int], np.ndarray]:
+        """``text`` with one placeholder per image (none written: all images go first) ->
+        (token ids, pixel values (n_views, C, H, W) float32)."""
+        inputs = preprocess_images(images, self.processing)
+        if images and self.placeholder not in text:
+            text = self.placeholder * len(images) + text
+        expanded = expand_image_placeholders(text, self.image_prompt, inputs["rows"], inputs["cols"])
+        bos = self.special_tokens.get("bos_token")  # a rendered chat template writes its own
+        return self.encode(expanded, add_special_tokens=not (bos and expanded.startswith(bos))), inputs["pixel_values"]
+
+    def image_message(self, text: str, n_images: int) -> dict:
+        """A user message with ``n_images`` images before ``text``: as content parts when
+        the chat template reads them, else the placeholders written into the text."""
+        if self.chat_template and "image" in self.chat_template:
+            return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
+        return {"role": "user", "content": self.placeholder * n_images + text}
+
+
+def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> VisionProcessor | None:
+    """The processor of an image-text model folder, or None when the folder has no image
+    processor settings (preprocessor_config.json, or transformers 5's processor_config.json
+    holding them as ``image_processor``): then it reads text only."""
+    model_type = config.get("model_type")
+    if model_type not in PROMPT_KINDS:
+        raise UserError(f"{model_type!r} models take no images here ({', '.join(PROMPT_KINDS)} do)")
+    processor_path, path = Path(folder) / "processor_config.json", Path(folder) / "preprocessor_config.json"
+    processor = read_json(processor_path) if processor_path.is_file() else {}
+    settings = read_json(path) if path.is_file() else processor.get("image_processor")
+    if settings is None:
+        return None
+    return VisionProcessor(tokenizer, read_image_processing(settings),
+                           read_image_prompt(PROMPT_KINDS[model_type], processor, config))
