@@ -16,7 +16,6 @@ from __future__ import annotations
 from itertools import groupby
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..errors import UserError
@@ -42,23 +41,32 @@ def section_angles(positions: mx.array, inv_freq: mx.array, sections: tuple[int,
     return chosen.transpose(1, 2, 0).astype(mx.float32) * inv_freq  # (B, L, head_dim / 2)
 
 
-class MRoPE(nn.Module):
-    """RoPE that takes explicit (3, B, L) positions: ``__call__(x, where)`` with ``where``
-    the cache offset (every axis at the same position: the ordinary rotary, fused) or
-    the positions array."""
+class MRoPE(RoPE):
+    """RoPE that also takes explicit positions: ``__call__(x, where)`` with ``where`` an
+    offset (every axis at the same position: the ordinary rotary, on its fused routes) or
+    the (3, B, L) positions of M-RoPE."""
 
     def __init__(self, dims: int, base: float, sections: tuple[int, ...], max_positions: int):
-        super().__init__()
+        super().__init__(dims, False, base, None, max_positions)
         self.sections = tuple(sections)
-        self.plain = RoPE(dims, False, base, None, max_positions)
         self._inv_freq = mx.array((1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
         section_angles(mx.zeros((3, 1, 1), mx.int32), self._inv_freq, self.sections)  # checks the sections
 
-    def __call__(self, x: mx.array, where) -> mx.array:
-        if not isinstance(where, mx.array):
-            return self.plain(x, where)
-        angles = section_angles(where, self._inv_freq, self.sections)  # (B, L, head_dim / 2)
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if not (isinstance(offset, mx.array) and offset.ndim == 3):  # an int, or per-row offsets (B,)
+            return super().__call__(x, offset)
+        angles = section_angles(offset, self._inv_freq, self.sections)  # (B, L, head_dim / 2)
         return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+
+
+class ExplicitPositions:
+    """A layer's cache with the (3, B, L) M-RoPE positions of this call's tokens: how
+    ``TransformerModel`` hands them to each attention layer through the one
+    ``mixer(x, mask, cache)`` signature. ``cache`` may be None (a forward without one)."""
+
+    def __init__(self, cache, positions: mx.array):
+        self.cache = cache
+        self.positions = positions
 
 
 def multimodal_positions(token_ids: list[int], image_token_id: int, image_grid_thw, merge_size: int
