@@ -32,7 +32,7 @@ from .config import ModelArgs
 from .kv_sharing import SharedKV, first_shared_layer
 from .layers import RMSNorm
 from .local_attention import l2_norm, temperature_scales
-from .mrope import ExplicitPositions, MRoPE
+from .mrope import ExplicitPositions, make_mrope
 from .positions import make_rope, position_ids
 
 
@@ -180,9 +180,9 @@ class Attention(nn.Module):
             if not self.reads_shared_kv:
                 self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
-        self.rope = make_rope(args, args.layer_types[layer_idx], self.head_dim) if rotates else None
-        if rotates and args.mrope_section:  # Qwen2-VL: positions (t, h, w) per token (mrope.py)
-            self.rope = MRoPE(self.rope.dims, args.rope_theta, args.mrope_section, args.max_position_embeddings)
+        # Qwen2-VL's M-RoPE (rope_scaling of type "mrope") takes (t, h, w) positions per token
+        self.rope = (make_mrope(args, self.head_dim) or make_rope(args, args.layer_types[layer_idx], self.head_dim)
+                     if rotates else None)
         # Llama 4: an L2 q/k norm on the rotating layers, a temperature on the others
         self.l2_eps = args.norm_eps if args.qk_l2_norm and rotates else None
         self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not rotates else None

@@ -202,10 +202,6 @@ class ModelArgs:
     mixer_residual_factors: dict | None = None
     mlp_residual_factors: tuple[float, float] = (1.0, 1.0)
 
-    # -- M-RoPE (Qwen2-VL, Qwen2.5-VL; model/mrope.py) --
-    # the (t, h, w) runs of each head's head_dim / 2 rotary frequencies; () = plain RoPE
-    mrope_section: tuple[int, ...] = ()
-
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a dict, ignoring unknown keys and deriving the defaults."""

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
-from .positions import RoPE
+from .positions import RoPE, rope_type
 
 
 def rotate_by_angles(x: mx.array, angles: mx.array) -> mx.array:
@@ -57,6 +57,15 @@ class MRoPE(RoPE):
             return super().__call__(x, offset)
         angles = section_angles(offset, self._inv_freq, self.sections)  # (B, L, head_dim / 2)
         return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+
+
+def make_mrope(args, head_dim: int) -> MRoPE | None:
+    """The M-RoPE of a model whose ``rope_scaling`` is ``{"rope_type": "mrope",
+    "mrope_section": [t, h, w]}`` (as Qwen2-VL's checkpoints first wrote it); else None."""
+    if rope_type(args.rope_scaling) != "mrope":
+        return None
+    dims = int(head_dim * args.partial_rotary_factor)
+    return MRoPE(dims, args.rope_theta, args.rope_scaling["mrope_section"], args.max_position_embeddings)
 
 
 class ExplicitPositions:

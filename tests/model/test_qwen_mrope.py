@@ -30,7 +30,8 @@ def our_language_model(hf_model) -> tuple[Model, mx.array]:
     """Our text stack on embedded inputs with transformers' weights, and the embedding table."""
     text = hf_model.config.text_config.to_dict()
     args = ModelArgs.from_dict({**text, **qwen2_args(text), "own_embeddings": False,
-                                "mrope_section": tuple(text["rope_parameters"]["mrope_section"])})
+                                "rope_scaling": {"rope_type": "mrope",
+                                                 "mrope_section": text["rope_parameters"]["mrope_section"]}})
     model = Model(args)
     weights = {f"model.{k}": v for k, v in hf_tensors(hf_model, "model.language_model.").items()}
     embeddings = weights.pop("model.embed_tokens.weight")
