@@ -158,3 +158,18 @@ def test_bad_prompts_and_sections_are_one_line_errors():
         multimodal_positions([IMAGE_TOKEN, 1], IMAGE_TOKEN, [[1, 2, 2], [1, 2, 2]], 2)
     with pytest.raises(ValueError, match=r"mrope_section \[2, 2, 2\] sums to 6, not head_dim / 2 = 8"):
         MRoPE(16, 10000.0, (2, 2, 2), 512)
+
+
+def test_prefill_in_chunks_equals_one_prefill():
+    """The prompt's positions cut with its chunks: two chunks through the cache == one."""
+    hf_model = hf_vision_language_model("qwen2_vl")
+    model, embeddings = our_language_model(hf_model)
+    prompt = PROMPTS[0]
+    features = mx.random.normal((sum(t * h * w for t, h, w in GRIDS) // 4, 64))
+    inputs = embedded(prompt, embeddings, features)
+    positions, _ = batch_positions([prompt], IMAGE_TOKEN, GRIDS, 2)
+    whole = np.array(model(inputs, cache=model.make_cache(), positions=positions))
+    cache, cut = model.make_cache(), 17  # inside the first image
+    chunks = [model(inputs[:, :cut], cache=cache, positions=positions[:, :, :cut]),
+              model(inputs[:, cut:], cache=cache, positions=positions[:, :, cut:])]
+    np.testing.assert_allclose(np.concatenate([np.array(c) for c in chunks], axis=1), whole, atol=1e-4, rtol=1e-4)
