@@ -11,6 +11,7 @@ A checkpoint holds both: ``text_config`` (older ones: the text keys at the top l
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..model.qwen_vision import QwenVisionArgs, QwenVisionTower
-from .common import COMMON_DROPS, Architecture
+from .common import COMMON_DROPS, Architecture, activation
 from .decoders import qwen2_args
 
 # Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
@@ -104,7 +105,10 @@ def vision_args(config: dict) -> QwenVisionArgs:
         raise UserError(f"model_type {config.get('model_type')!r} has no Qwen vision tower (qwen2_vl, qwen2_5_vl)")
     if not isinstance(config.get("vision_config"), dict):
         raise UserError(f"the {config['model_type']} config has no vision_config")
-    return QwenVisionArgs.from_dict(config["vision_config"], config["model_type"])
+    args = QwenVisionArgs.from_dict(config["vision_config"], config["model_type"])
+    if args.style == "qwen2_vl":  # its MLP takes quick_gelu only (the tower checks)
+        return args
+    return dataclasses.replace(args, hidden_act=activation(args.hidden_act))  # Hugging Face's name -> ours
 
 
 def vision_weights(weights: dict, args: QwenVisionArgs) -> dict:

@@ -5,7 +5,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from fixtures.qwen_vision_models import GRIDS, IMAGE_TOKEN, hf_vision_language_model, image_prompt, random_pixel_values
+from fixtures.qwen_vision_models import (GRIDS, IMAGE_TOKEN, hf_vision_language_model, hf_vision_tower, image_prompt,
+                                         random_pixel_values)
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.families import model_args_from_config
@@ -92,3 +93,15 @@ def test_tower_errors_are_one_line():
     weights["model.visual.merger.ln_q.bias"] = mx.zeros((5,))
     with pytest.raises(UserError, match=r"merger.ln_q.bias is \(5,\), expected \(32,\)"):
         vision_tower_from_checkpoint(config, weights)
+
+
+def test_the_tower_reads_hugging_face_activation_names():
+    """Qwen2.5-VL's MLP takes the config's hidden_act; transformers' names map onto ours."""
+    hf_tower, vision_config = hf_vision_tower("qwen2_5_vl", hidden_act="gelu_pytorch_tanh")
+    config = {"model_type": "qwen2_5_vl", "vision_config": vision_config.to_dict()}
+    tower = vision_tower_from_checkpoint(config, {f"visual.{k}": mx.array(v.numpy())
+                                                  for k, v in hf_tower.state_dict().items()})
+    pixel_values = random_pixel_values(GRIDS, vision_config)
+    with torch.no_grad():
+        expected = hf_tower(torch.from_numpy(pixel_values), grid_thw=torch.tensor(GRIDS)).pooler_output.numpy()
+    np.testing.assert_allclose(np.array(tower(mx.array(pixel_values), GRIDS)), expected, atol=1e-4, rtol=1e-4)
