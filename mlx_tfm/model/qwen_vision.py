@@ -148,10 +148,27 @@ def patch_layout(grid_thw, args: QwenVisionArgs) -> PatchLayout:
     return PatchLayout(positions[patch_order], order, segments[patch_order], np.repeat(windows, unit))
 
 
-def segment_mask(segments: np.ndarray) -> mx.array:
-    """(N, N) True where two patches share a segment: attention within it only."""
-    segments = mx.array(segments)
-    return segments[:, None] == segments[None, :]
+@dataclass(frozen=True)
+class SegmentBatch:
+    """Contiguous attention segments (images, or windows) laid out as a padded batch, so
+    each attends within itself in one batched call and no (N, N) mask is built:
+    ``gather`` (S, W) patch indices, ``key_mask`` (S, 1, 1, W) True at real patches (None
+    when every segment is W long), ``scatter`` (N,) the real rows of the (S * W) output."""
+
+    gather: mx.array
+    key_mask: mx.array | None
+    scatter: mx.array
+
+
+def segment_batch(segments: np.ndarray) -> SegmentBatch:
+    """The padded batch of a segment number per patch (N,), each segment one run."""
+    starts = np.flatnonzero(np.diff(segments, prepend=-1))
+    lengths = np.diff(np.append(starts, len(segments)))
+    slots = np.arange(lengths.max())
+    real = slots[None, :] < lengths[:, None]  # (S, W)
+    gather = np.where(real, starts[:, None] + slots, 0)  # padding reads patch 0, masked out
+    key_mask = None if real.all() else mx.array(real[:, None, None, :])
+    return SegmentBatch(mx.array(gather), key_mask, mx.array(np.flatnonzero(real.reshape(-1))))
 
 
 # -- the modules -------------------------------------------------------------------------
@@ -181,14 +198,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def __call__(self, x: mx.array, angles: mx.array, mask: mx.array) -> mx.array:
-        """x (N, D), angles (N, head_dim / 2), mask (N, N) -> (N, D)."""
+    def __call__(self, x: mx.array, angles: mx.array, segments: SegmentBatch) -> mx.array:
+        """x (N, D), angles (N, head_dim / 2) -> (N, D), attending within each segment."""
         N, D = x.shape
-        # (N, 3 * D) -> (N, 3, n_heads, head_dim) -> (3, 1, n_heads, N, head_dim)
-        qkv = self.qkv(x).reshape(N, 3, self.n_heads, self.head_dim).transpose(1, 2, 0, 3)[:, None]
-        queries, keys = rotate_by_angles(qkv[0], angles), rotate_by_angles(qkv[1], angles)
-        out = attention(queries, keys, qkv[2], self.head_dim**-0.5, mask)  # (1, n_heads, N, head_dim)
-        return self.proj(out[0].transpose(1, 0, 2).reshape(N, D))  # -> (N, n_heads, head_dim) -> (N, D)
+        # (N, 3 * D) -> (N, 3, n_heads, head_dim) -> (3, N, n_heads, head_dim)
+        qkv = self.qkv(x).reshape(N, 3, self.n_heads, self.head_dim).transpose(1, 0, 2, 3)
+        queries, keys = rotate_by_angles(qkv[0], angles[:, None]), rotate_by_angles(qkv[1], angles[:, None])
+        # (N, n_heads, head_dim) -> (S, W, n_heads, head_dim) -> (S, n_heads, W, head_dim)
+        queries, keys, values = (t[segments.gather].transpose(0, 2, 1, 3) for t in (queries, keys, qkv[2]))
+        out = attention(queries, keys, values, self.head_dim**-0.5, segments.key_mask)
+        out = out.transpose(0, 2, 1, 3).reshape(-1, D)  # (S, n_heads, W, head_dim) -> (S * W, D)
+        return self.proj(out[segments.scatter])  # the real patches, in their order: (N, D)
 
 
 class VisionMLP(nn.Module):
@@ -226,8 +246,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args) if args.style == "qwen2_vl" else gated_mlp(args)
 
-    def __call__(self, x: mx.array, angles: mx.array, mask: mx.array) -> mx.array:
-        h = x + self.attn(self.norm1(x), angles, mask)
+    def __call__(self, x: mx.array, angles: mx.array, segments: SegmentBatch) -> mx.array:
+        h = x + self.attn(self.norm1(x), angles, segments)
         return h + self.mlp(self.norm2(h))
 
 
@@ -270,11 +290,11 @@ class QwenVisionTower(nn.Module):
             h = self._reordered(h, layout.window_order)
         # (N, 2, head_dim / 4) -> (N, head_dim / 2): the row's angles, then the column's
         angles = (mx.array(layout.positions)[..., None] * self._inv_freq).reshape(h.shape[0], -1)
-        image_mask = segment_mask(layout.image_segments)
-        window_mask = image_mask if layout.window_segments is None else segment_mask(layout.window_segments)
+        images = segment_batch(layout.image_segments)
+        windows = images if layout.window_segments is None else segment_batch(layout.window_segments)
         for i, block in enumerate(self.blocks):
             full = layout.window_segments is None or i in self.args.fullatt_block_indexes
-            h = block(h, angles, image_mask if full else window_mask)
+            h = block(h, angles, images if full else windows)
         merged = self.merger(h)  # (N / 4, out_hidden_size)
         if layout.window_order is not None:
             merged = merged[mx.array(np.argsort(layout.window_order))]

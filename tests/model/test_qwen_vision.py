@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
 from mlx_tfm.errors import UserError
-from mlx_tfm.model.qwen_vision import QwenVisionArgs, QwenVisionTower, patch_layout, window_plan
+from mlx_tfm.model.qwen_vision import QwenVisionArgs, QwenVisionTower, patch_layout, segment_batch, window_plan
 
 
 def our_tower(hf_tower, config, style: str) -> QwenVisionTower:
@@ -66,6 +66,15 @@ def test_window_plan_of_one_image_by_hand():
     order, windows = window_plan(np.array([[1, 6, 6]]), merge_size=2, window=2)
     assert order.tolist() == [0, 1, 3, 4, 2, 5, 6, 7, 8]
     assert windows.tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3]
+
+
+def test_segments_become_a_padded_batch():
+    """Runs of 3, 1 and 2 patches: a (3, 3) batch, the short rows padded and masked."""
+    batch = segment_batch(np.array([0, 0, 0, 1, 2, 2]))
+    assert np.array(batch.gather).tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
+    assert np.array(batch.key_mask)[:, 0, 0].tolist() == [[True] * 3, [True, False, False], [True, True, False]]
+    assert np.array(batch.scatter).tolist() == [0, 1, 2, 3, 6, 7]
+    assert segment_batch(np.array([0, 0, 1, 1])).key_mask is None  # equal runs need no mask
 
 
 def test_bad_grids_are_one_line_errors():
