@@ -35,6 +35,7 @@ from .minimax import MINIMAX
 from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
+from .qwen_vl import QWEN_VL
 from .state_space import STATE_SPACE
 from .vision import VISION_LANGUAGE
 
@@ -44,6 +45,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **DECODERS, **MIXTURES, **ENCODERS, **MORE_DECODERS, **MORE_MIXTURES, **GEMMA4, **LLAMA4,
     **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT, **KIMI, **MINIMAX,
     **VISION_LANGUAGE,  # image-text models (llava, idefics3, smolvlm, gemma3): after DECODERS' text-only gemma3
+    **QWEN_VL,  # Qwen2-VL / Qwen2.5-VL: the language model (qwen_vl.py; the tower beside it)
 }
 
 

@@ -32,6 +32,7 @@ from .config import ModelArgs
 from .kv_sharing import SharedKV, first_shared_layer
 from .layers import RMSNorm
 from .local_attention import l2_norm, temperature_scales
+from .mrope import ExplicitPositions, make_mrope
 from .positions import make_rope, position_ids
 
 
@@ -179,7 +180,9 @@ class Attention(nn.Module):
             if not self.reads_shared_kv:
                 self.k_norm = RMSNorm(k_dims, args.norm_eps, args.norm_weight_offset)
         rotates = args.position_embedding == "rope" and (not args.rope_layers or args.rope_layers[layer_idx])
-        self.rope = make_rope(args, args.layer_types[layer_idx], self.head_dim) if rotates else None
+        # Qwen2-VL's M-RoPE (rope_scaling of type "mrope") takes (t, h, w) positions per token
+        self.rope = (make_mrope(args, self.head_dim) or make_rope(args, args.layer_types[layer_idx], self.head_dim)
+                     if rotates else None)
         # Llama 4: an L2 q/k norm on the rotating layers, a temperature on the others
         self.l2_eps = args.norm_eps if args.qk_l2_norm and rotates else None
         self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not rotates else None
@@ -193,14 +196,18 @@ class Attention(nn.Module):
             return self._cross_attention(x, cache)
         if isinstance(cache, SharedKV):
             return self._shared_kv_attention(x, mask, cache)
+        positions = None
+        if isinstance(cache, ExplicitPositions):  # M-RoPE: the tokens' (3, B, L) positions
+            cache, positions = cache.cache, cache.positions
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
+        where = offset if positions is None else positions  # what the rotary turns by
         gate = None
         if self.output_gate:
-            queries, keys, values, gate = self._gated_heads(x, offset)
+            queries, keys, values, gate = self._gated_heads(x, where)
         else:
-            ready = self._decoding_heads(x, offset) if L == 1 else None
-            queries, keys, values = ready or self._heads(x, offset)
+            ready = self._decoding_heads(x, offset) if L == 1 and positions is None else None
+            queries, keys, values = ready or self._heads(x, where)
         if self.query_scale[0]:
             queries = queries * query_position_scale(offset, L, *self.query_scale).astype(queries.dtype)
         if cache is not None:

@@ -26,6 +26,7 @@ from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
 from .local_attention import layer_chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
+from .mrope import ExplicitPositions
 from .per_layer_inputs import add_per_layer_input, block_modules, per_layer_inputs, stack_modules
 from .positions import SinusoidalPositions, position_ids
 from .relative_positions import relative_position_bias
@@ -242,13 +243,15 @@ class TransformerModel(nn.Module):
                 stack_modules(args))
 
     def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
-                 cross: list[CrossAttentionCache] | None = None, input_embeddings: mx.array | None = None) -> mx.array:
+                 cross: list[CrossAttentionCache] | None = None, input_embeddings: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array:
         """Token ids (B, L), or embedded inputs (B, L, D) when the stack does not own its
         embeddings, -> hidden states (B, L, D). Encoders (kind "encoder") attend both ways:
         ``mask`` is then their padding mask (B, 1, 1, S), True at tokens. ``cross``: one
         ``CrossAttentionCache`` per layer of an encoder-decoder's decoder. ``input_embeddings``
         (B, L, D): the embedded (and scaled) tokens to run instead of looking ``inputs`` up,
-        as a vision-language model makes them (model/vision_language.py)."""
+        as a vision-language model makes them (model/vision_language.py). ``positions``
+        (3, B, L): M-RoPE's explicit positions of the tokens (``mrope.py``)."""
         B, L = inputs.shape[:2]
         if input_embeddings is not None:
             h = input_embeddings
@@ -258,8 +261,8 @@ class TransformerModel(nn.Module):
                 h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         offset = cache[0].offset if cache is not None else 0
         if self.args.position_embedding == "learned":
-            positions = position_ids(offset, L) + self.args.position_offset  # offset: int, or (B,) per row
-            h = h + self.embed_positions(positions)
+            learned = position_ids(offset, L) + self.args.position_offset  # offset: int, or (B,) per row
+            h = h + self.embed_positions(learned)
         elif self.args.position_embedding == "sinusoidal":
             h = h + self.sinusoidal(offset, L).astype(h.dtype)
         if self.args.type_vocab_size:
@@ -270,6 +273,8 @@ class TransformerModel(nn.Module):
         per_layer = per_layer_inputs(self, inputs, h) if self.args.hidden_size_per_layer_input else None
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
+        if positions is not None:  # they ride to each attention layer with its cache
+            cache = [ExplicitPositions(layer_cache, positions) for layer_cache in cache]
         if self.args.num_kv_shared_layers:  # Gemma 4: the shared layers read their source's (kv_sharing.py)
             cache = wire_shared_caches(self.args, cache)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -336,10 +341,11 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.lm_head_bias)
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
+                 input_embeddings: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab_size); ``input_embeddings``: as
-        ``TransformerModel`` takes them."""
-        return self.head(self.model(inputs, mask, cache, input_embeddings=input_embeddings))
+        ``TransformerModel`` takes them; ``positions`` (3, B, L) for M-RoPE (``mrope.py``),
+        else each token's place after the cache's offset."""
+        return self.head(self.model(inputs, mask, cache, input_embeddings=input_embeddings, positions=positions))
 
     def head(self, h: mx.array) -> mx.array:
         """Final hidden states (B, L, D) -> logits (B, L, vocab_size). Separate so that

@@ -1,0 +1,147 @@
+"""Qwen2-VL and Qwen2.5-VL: Qwen2's language model with M-RoPE, and Qwen's vision tower.
+
+A checkpoint holds both: ``text_config`` (older ones: the text keys at the top level) and
+``vision_config``. The table entries build the language model, whose attention rotates by
+(t, h, w) positions per token (``model/mrope.py``); its tensors are
+``model.language_model.*`` (transformers 5), ``model.*`` (the first checkpoints) or
+``language_model.model.*`` (mlx-lm and mlx-vlm). The tower (``visual.*``,
+``model.visual.*``, or mlx-vlm's ``vision_tower.*``) is built apart by
+``vision_tower_from_checkpoint``, for the image-text model to hold beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import UserError
+from ..model.qwen_vision import QwenVisionArgs, QwenVisionTower
+from .common import COMMON_DROPS, Architecture, activation
+from .decoders import qwen2_args
+
+# Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
+DEFAULT_MROPE_SECTION = (16, 24, 24)
+VISION_PREFIX = re.compile(r"(?:model\.)?(?:visual|vision_tower)\.(.*)")
+
+
+def text_config_of(config: dict) -> dict:
+    """The language model's keys: ``text_config``, else the top level; the head is tied by
+    the outer config where it says (transformers 5 writes it there)."""
+    text = dict(config.get("text_config") or config)
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
+
+
+def mrope_section_of(text: dict) -> list[int]:
+    """(t, h, w) frequency runs from ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if (text.get(key) or {}).get("mrope_section"):
+            return list(text[key]["mrope_section"])
+    return list(DEFAULT_MROPE_SECTION)
+
+
+def qwen_vl_args(config: dict) -> dict:
+    """Qwen2's attention (q/k/v biases) with M-RoPE, the frequencies split by mrope_section."""
+    text = text_config_of(config)
+    rope_theta = (text.get("rope_parameters") or {}).get("rope_theta") or text.get("rope_theta", 1000000.0)
+    plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_scaling": None}
+    return {**qwen2_args(plain), "rope_scaling": {"rope_type": "mrope", "mrope_section": mrope_section_of(text)},
+            "model_type": config["model_type"]}
+
+
+def qwen_vl_layout(weights: dict) -> dict:
+    """transformers' names (``model.language_model.*`` or the first checkpoints'
+    ``model.*``, and ``lm_head.*``) -> mlx-lm's qwen2_vl (``language_model.model.*``,
+    ``language_model.lm_head.*``); a folder in that layout passes unchanged."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name.removeprefix("model.language_model.")
+        elif name.startswith(("model.", "lm_head.")):
+            name = "language_model." + name
+        out[name] = tensor
+    return out
+
+
+QWEN_VL_RENAMES = (
+    (r"language_model\.model\.(.*)", r"model.\1"),
+    (r"language_model\.lm_head\.(.*)", r"lm_head.\1"),
+    (r"model\.language_model\.(.*)", r"model.\1"),
+)
+# The tower is not the language model's: vision_tower_from_checkpoint reads it.
+QWEN_VL_DROPS = COMMON_DROPS + (r"(model\.)?visual\..*", r"vision_tower\..*")
+
+
+def qwen_vl_family() -> Architecture:
+    return Architecture(args=qwen_vl_args, renames=QWEN_VL_RENAMES, drops=QWEN_VL_DROPS, layout=qwen_vl_layout)
+
+
+QWEN_VL: dict[str, Architecture] = {"qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family()}
+
+
+def qwen_vl_mlx_lm_keys(config: dict) -> dict:
+    """mlx-lm's qwen2_vl reads ``text_config`` as Qwen2's config: the head's tying (which
+    transformers 5 writes at the top level) and ``rope_theta`` (inside its rope_parameters)."""
+    if not isinstance(config.get("text_config"), dict):
+        return {}  # the first checkpoints' flat config, which mlx-lm reads as it is
+    text = text_config_of(config)
+    return {"text_config": {**config["text_config"], "tie_word_embeddings": text.get("tie_word_embeddings", False),
+                            "rope_theta": qwen_vl_args(config)["rope_theta"]}}
+
+
+QWEN_VL_MLX_LM_KEYS = dict.fromkeys(QWEN_VL, qwen_vl_mlx_lm_keys)
+
+
+# -- the vision tower --------------------------------------------------------------------
+
+
+def vision_args(config: dict) -> QwenVisionArgs:
+    """The tower's configuration from a checkpoint's config.json (its ``vision_config``)."""
+    if config.get("model_type") not in QWEN_VL:
+        raise UserError(f"model_type {config.get('model_type')!r} has no Qwen vision tower (qwen2_vl, qwen2_5_vl)")
+    if not isinstance(config.get("vision_config"), dict):
+        raise UserError(f"the {config['model_type']} config has no vision_config")
+    args = QwenVisionArgs.from_dict(config["vision_config"], config["model_type"])
+    if args.style == "qwen2_vl":  # its MLP takes quick_gelu only (the tower checks)
+        return args
+    return dataclasses.replace(args, hidden_act=activation(args.hidden_act))  # Hugging Face's name -> ours
+
+
+def vision_weights(weights: dict, args: QwenVisionArgs) -> dict:
+    """A checkpoint's tower tensors under the tower's own names: the prefix dropped, the
+    Conv3d kernel (D, C, T, P, P) flattened to the patch matmul's (D, C * T * P * P)
+    (mlx-vlm's channels-last (D, T, P, P, C) moved to channels first before that)."""
+    out = {}
+    for name, tensor in weights.items():
+        match = VISION_PREFIX.fullmatch(name)
+        if match is None:
+            continue
+        name = match.group(1)
+        if name == "patch_embed.proj.weight" and tensor.ndim == 5:
+            if tensor.shape[-1] == args.in_channels and tensor.shape[1] != args.in_channels:
+                tensor = mx.moveaxis(tensor, -1, 1)  # (D, T, P, P, C) -> (D, C, T, P, P)
+            tensor = tensor.reshape(tensor.shape[0], -1)
+        out[name] = tensor
+    return out
+
+
+def vision_tower_from_checkpoint(config: dict, weights: dict) -> QwenVisionTower:
+    """The tower of a Qwen2-VL / Qwen2.5-VL checkpoint, its weights loaded strictly."""
+    args = vision_args(config)
+    tower = QwenVisionTower(args)
+    tensors = vision_weights(weights, args)
+    expected = {name: value.shape for name, value in tree_flatten(tower.parameters())}
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"vision tower weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    wrong = [name for name in expected if tuple(tensors[name].shape) != tuple(expected[name])]
+    if wrong:
+        raise UserError(f"vision tower weight {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, "
+                        f"expected {tuple(expected[wrong[0]])}")
+    tower.update(tree_unflatten(list(tensors.items())))
+    return tower
+
