@@ -17,7 +17,8 @@ Peak memory = MLX's peak over a run (weights included); cache MB = the bytes of 
 layer's cache after a prompt of ``--cache-tokens``.
 
 ``--forms``: the delta rule of one layer reading a 2,000-position prompt chunk by chunk and
-position by position (the two forms of model/deltanet.py).
+position by position (the two forms of model/deltanet.py), at this model's 16 value heads of
+128 and at Qwen3-Next's 32; ``--forms-only``: that alone.
 """
 
 from __future__ import annotations
@@ -121,28 +122,40 @@ def best_of(folder: Path, prompt: mx.array, steps: int, repeats: int) -> dict[st
     return {lib: (max(r[0] for r in rs), max(r[1] for r in rs), min(r[2] for r in rs)) for lib, rs in runs.items()}
 
 
-def compare_forms(text: dict, length: int = 2000, repeats: int = 2) -> tuple[float, float]:
-    """Seconds for the delta rule of one layer (its value heads and head sizes) to read
-    ``length`` positions: (chunked, stepped), best of ``repeats``. The projections and the
-    convolution around it are the same work in both forms, so they are left out."""
+def compare_forms(n_heads: int, head_dim: int, length: int = 2000, repeats: int = 3) -> tuple[float, float]:
+    """Seconds for the delta rule of one layer (``n_heads`` value heads, keys and values of
+    ``head_dim``) to read ``length`` positions: (chunked, stepped), best of ``repeats``, the
+    two forms alternating (who goes first too) so that a busy machine slows both alike. The
+    projections and the convolution around it are the same work in both forms, so they are
+    left out."""
     from mlx_tfm.model.deltanet import delta_rule_chunked, delta_rule_steps, l2_normalised
 
-    H, Dk, Dv = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
-    queries = l2_normalised(mx.random.normal((1, H, length, Dk))) * Dk ** -0.5
-    keys = l2_normalised(mx.random.normal((1, H, length, Dk)))
-    values = mx.random.normal((1, H, length, Dv))
+    H, D = n_heads, head_dim
+    queries = l2_normalised(mx.random.normal((1, H, length, D))) * D ** -0.5
+    keys = l2_normalised(mx.random.normal((1, H, length, D)))
+    values = mx.random.normal((1, H, length, D))
     g, beta = -mx.random.uniform(0, 1, (1, H, length)), mx.random.uniform(0, 1, (1, H, length))
-    inputs = (queries, keys, values, g, beta, mx.zeros((1, H, Dk, Dv)))
+    inputs = (queries, keys, values, g, beta, mx.zeros((1, H, D, D)))
     mx.eval(inputs)
-    seconds = []
-    for form in (delta_rule_chunked, delta_rule_steps):
-        runs = []
-        for _ in range(repeats):
+    runs = {delta_rule_chunked: [], delta_rule_steps: []}
+    for i in range(repeats):
+        for form in list(runs) if i % 2 == 0 else list(runs)[::-1]:
             start = time.perf_counter()
             mx.eval(form(*inputs))
-            runs.append(time.perf_counter() - start)
-        seconds.append(min(runs))
-    return seconds[0], seconds[1]
+            runs[form].append(time.perf_counter() - start)
+    return min(runs[delta_rule_chunked]), min(runs[delta_rule_steps])
+
+
+# --forms: the value heads of this benchmark's layers (as Qwen3.5's smaller models) and of
+# Qwen3-Next's (32 value heads of 128)
+FORMS_HEADS = (16, 32)
+
+
+def print_forms(text: dict) -> None:
+    for n_heads in FORMS_HEADS if text is TEXT else (text["linear_num_value_heads"],):
+        chunked, stepped = compare_forms(n_heads, text["linear_key_head_dim"])
+        print(f"the delta rule of one layer ({n_heads} heads of {text['linear_key_head_dim']}), 2000 positions: "
+              f"chunked {chunked:.3f} s, stepped {stepped:.3f} s ({stepped / chunked:.1f}x)", flush=True)
 
 
 def main() -> None:
@@ -153,10 +166,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--toy", action="store_true", help="a tiny model of the same architecture")
     parser.add_argument("--forms", action="store_true", help="also time the chunked and stepped delta rule")
+    parser.add_argument("--forms-only", action="store_true", help="time only the two forms of the delta rule")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark_hybrid"))
     args = parser.parse_args()
 
     text = TOY if args.toy else TEXT
+    if args.forms_only:
+        print_forms(text)
+        return
     folders = build_models(args.folder / ("toy" if args.toy else "full"), text)
     header = f"{'model':<8} {'prompt':>6} {'library':<8} {'prompt tok/s':>12} {'decode tok/s':>12} {'peak GB':>8}"
     print(header)
@@ -170,9 +187,7 @@ def main() -> None:
             megabytes = cache_megabytes(library, folder, args.cache_tokens)
             print(f"{name:<8} cache at {args.cache_tokens} tokens, {library}: {megabytes:.1f} MB", flush=True)
     if args.forms:
-        chunked, stepped = compare_forms(text)
-        print(f"the delta rule of one layer, 2000 positions: chunked {chunked:.3f} s, stepped {stepped:.3f} s "
-              f"({stepped / chunked:.1f}x)")
+        print_forms(text)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ class ModelArgs:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
-    linear_chunk_size: int = 64  # prompts run the delta rule this many positions at a time
+    linear_chunk_size: int = 16  # prompts run the delta rule this many positions at a time (deltanet.py: why 16)
     attn_output_gate: bool = False
     # Llama 4 (mlx_tfm/model/local_attention.py): "chunked_attention" layers see only the keys of
     # their own chunk of attention_chunk_size positions; an L2 q/k norm (no weight) on the

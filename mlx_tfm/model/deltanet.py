@@ -21,6 +21,11 @@ Two forms of the same recurrence:
   UT transform of the DeltaNet paper); only the chunks run in order.
 Both are plain MLX operations in float32, so they run on any device unchanged.
 
+Chunks are of 16 positions by default (``linear_chunk_size``), not 64: a position costs
+about 3 Dk Dv multiply-adds against the state whatever the chunk, plus some 5 C (Dk or Dv)
+within its chunk, so smaller chunks do less work; the decays within a chunk are built from
+few exponentials (``ChunkDecays``), which cost far more than products on the CPU.
+
 Shapes: B batch, L positions, D hidden size; Hk key heads of Dk, Hv value heads of Dv (each
 key head serves Hv / Hk consecutive value heads, as GQA).
 """
@@ -102,21 +107,102 @@ def chunk_terms(queries, keys, values, g, beta):
     ``u - w S0`` with ``(u, w) = T (beta v, beta k exp(gamma))`` and T the inverse of
     I + strictly_lower(beta_i k_i.k_j exp(gamma_i - gamma_j))."""
     C = g.shape[-1]
-    gamma, lost = compensated_cumsum(g)  # (B, H, n, C) each
-    lower = mx.tril(mx.ones((C, C), dtype=mx.bool_))
-    gaps = (gamma[..., :, None] - gamma[..., None, :]) + (lost[..., :, None] - lost[..., None, :])
-    gaps = mx.where(lower, gaps, -mx.inf)
-    decays = mx.exp(gaps)  # (B, H, n, C, C), zero above the diagonal
+    decays = ChunkDecays(*compensated_cumsum(g))
+    within_decays = decays.matrix()  # (B, H, n, C, C), zero above the diagonal
     beta_keys = keys * beta[..., None]
-    writes = (beta_keys @ keys.swapaxes(-1, -2)) * decays * (1 - mx.eye(C, dtype=decays.dtype))
+    writes = (beta_keys @ keys.swapaxes(-1, -2)) * within_decays * (1 - mx.eye(C, dtype=g.dtype))
     solve = unit_lower_inverse(writes)
+    from_start = decays.from_start()[..., None]  # (B, H, n, C, 1)
     new_values = solve @ (values * beta[..., None])  # (B, H, n, C, Dv)
-    decayed_keys = solve @ (beta_keys * mx.exp(gamma)[..., None])  # (B, H, n, C, Dk)
-    within = (queries @ keys.swapaxes(-1, -2)) * decays  # (B, H, n, C, C)
-    to_end = (gamma[..., -1:] - gamma) + (lost[..., -1:] - lost)
-    reading = queries * mx.exp(gamma)[..., None]  # queries read S0 decayed to their position
-    writing = keys * mx.exp(to_end)[..., None]  # keys write S decayed to the chunk's end
-    return new_values, decayed_keys, within, reading, writing, mx.exp(gamma[..., -1:])[..., None]
+    decayed_keys = solve @ (beta_keys * from_start)  # (B, H, n, C, Dk)
+    within = (queries @ keys.swapaxes(-1, -2)) * within_decays  # (B, H, n, C, C)
+    reading = queries * from_start  # queries read S0 decayed to their position
+    writing = keys * decays.to_end()[..., None]  # keys write S decayed to the chunk's end
+    return new_values, decayed_keys, within, reading, writing, decays.whole_chunk()[..., None]
+
+
+# Positions per block of ``ChunkDecays``: about the square root of the chunk sizes in use,
+# which keeps both the exact in-block exponentials (C * BLOCK) and the between-block ones
+# ((C / BLOCK)^2) few.
+DECAY_BLOCK = 8
+
+
+class ChunkDecays:
+    """The decays within chunks, exp(gamma_i - gamma_j) for j <= i, from few exponentials.
+
+    An exponential costs far more than a product on the CPU, and a chunk's (C, C) matrix
+    would need C^2 of them. Split the chunk into blocks of ``DECAY_BLOCK`` positions; for i
+    in block a and j in an earlier block b the exponent splits at two reference points,
+    the end of block a - 1 (``start_a``) and the end of block b (``end_b``):
+
+        exp(gamma_i - gamma_j) = exp(gamma_i - start_a) exp(start_a - end_b) exp(end_b - gamma_j)
+
+    Every factor decays forward in time, so each is at most one: nothing overflows however
+    strong the decay (exp(-gamma) alone would), and what underflows is a decay that small.
+    Within a block the matrix is exact, as are the exponents: each is a difference of
+    running sums with what their rounding lost (``compensated_cumsum``)."""
+
+    def __init__(self, gamma: mx.array, lost: mx.array):
+        C = gamma.shape[-1]
+        self.size = min(DECAY_BLOCK, C)
+        self.n_blocks = C // self.size
+        # (..., C) -> (..., n_blocks, size)
+        self.gamma = gamma.reshape(*gamma.shape[:-1], self.n_blocks, self.size)
+        self.lost = lost.reshape(self.gamma.shape)
+        self.ends = (self.gamma[..., -1], self.lost[..., -1])  # (..., n_blocks) each
+        zero = mx.zeros_like(self.ends[0][..., :1])
+        # block a starts where block a - 1 ended; the chunk starts at gamma = 0
+        self.starts = tuple(mx.concatenate([zero, end[..., :-1]], axis=-1) for end in self.ends)
+
+    def matrix(self) -> mx.array:
+        """(..., C, C): exp(gamma_i - gamma_j) at j <= i, zero above the diagonal."""
+        positions = (self.gamma, self.lost)
+        inside = masked_exp(gap(positions, positions, -1, -2), mx.tril(mx.ones((self.size,) * 2, dtype=mx.bool_)))
+        into = mx.exp(gap(positions, self.starts, None, -1))  # (..., n_blocks, size): exp(gamma_i - start_a)
+        out_of = mx.exp(gap(self.ends, positions, -1, None))  # exp(end_b - gamma_j)
+        earlier = mx.tril(mx.ones((self.n_blocks,) * 2, dtype=mx.bool_), -1)  # b < a
+        between = masked_exp(gap(self.starts, self.ends, -1, -2), earlier)  # (..., n_blocks, n_blocks)
+        # (..., a, i, b, j): the three factors across blocks, the exact ones on the diagonal blocks
+        across = into[..., :, :, None, None] * between[..., :, None, :, None] * out_of[..., None, None, :, :]
+        same_block = mx.eye(self.n_blocks, dtype=inside.dtype)[:, None, :, None]
+        matrix = across + inside[..., :, :, None, :] * same_block
+        C = self.n_blocks * self.size
+        return matrix.reshape(*matrix.shape[:-4], C, C)  # (..., n_blocks, size, n_blocks, size) -> (..., C, C)
+
+    def from_start(self) -> mx.array:
+        """(..., C): exp(gamma_i), the decay from the chunk's start to each position."""
+        into_block = mx.exp(gap((self.gamma, self.lost), self.starts, None, -1))  # (..., n_blocks, size)
+        return self._flat(into_block * mx.exp(self.starts[0] + self.starts[1])[..., None])
+
+    def to_end(self) -> mx.array:
+        """(..., C): exp(gamma_C - gamma_i), the decay from each position to the chunk's end."""
+        last = tuple(end[..., -1:] for end in self.ends)  # (..., 1) each
+        to_block_end = mx.exp(gap(self.ends, (self.gamma, self.lost), -1, None))
+        return self._flat(to_block_end * mx.exp(gap(last, self.ends, None, None))[..., None])
+
+    def whole_chunk(self) -> mx.array:
+        """(..., 1): exp(gamma_C), the decay over the whole chunk."""
+        return mx.exp(self.ends[0][..., -1:] + self.ends[1][..., -1:])
+
+    def _flat(self, blocks: mx.array) -> mx.array:
+        return blocks.reshape(*blocks.shape[:-2], -1)  # (..., n_blocks, size) -> (..., C)
+
+
+def gap(later, earlier, later_axis, earlier_axis) -> mx.array:
+    """later - earlier for two (sums, lost) pairs, each first given a new axis at
+    ``later_axis`` / ``earlier_axis`` (None: as it is) so that they broadcast."""
+    def expanded(pair, axis):
+        return pair if axis is None else tuple(mx.expand_dims(t, axis) for t in pair)
+
+    later_sums, later_lost = expanded(later, later_axis)
+    earlier_sums, earlier_lost = expanded(earlier, earlier_axis)
+    return (later_sums - earlier_sums) + (later_lost - earlier_lost)
+
+
+def masked_exp(exponents: mx.array, mask: mx.array) -> mx.array:
+    """exp where ``mask`` holds, zero elsewhere (never an exponential of what is masked
+    out, which may overflow)."""
+    return mx.exp(mx.where(mask, exponents, -mx.inf))
 
 
 def compensated_cumsum(g: mx.array) -> tuple[mx.array, mx.array]:
@@ -128,19 +214,34 @@ def compensated_cumsum(g: mx.array) -> tuple[mx.array, mx.array]:
     return sums, mx.cumsum(g - steps, axis=-1)
 
 
-def delta_rule_chunked(queries, keys, values, g, beta, state, chunk_size: int = 64):
+def delta_rule_chunked(queries, keys, values, g, beta, state, chunk_size: int = 16):
     """The recurrence ``chunk_size`` positions at a time: the same numbers as
     ``delta_rule_steps`` (same arguments and results), in L / chunk_size sequential steps."""
     L = queries.shape[2]
     chunked = [padded_to_chunks(t, chunk_size) for t in (queries, keys, values, g, beta)]
     new_values, decayed_keys, within, reading, writing, chunk_decay = chunk_terms(*chunked)
+    writing = writing.swapaxes(-1, -2)  # (B, H, n, Dk, C): keys as they write the state
     outputs = []
     for i in range(new_values.shape[2]):
-        corrected = new_values[:, :, i] - decayed_keys[:, :, i] @ state  # (B, H, C, Dv)
-        outputs.append(reading[:, :, i] @ state + within[:, :, i] @ corrected)
-        state = state * chunk_decay[:, :, i] + writing[:, :, i].swapaxes(-1, -2) @ corrected
+        out, state = across_chunk(state, new_values[:, :, i], decayed_keys[:, :, i], reading[:, :, i],
+                                  within[:, :, i], writing[:, :, i], chunk_decay[:, :, i])
+        outputs.append(out)
     out = mx.concatenate(outputs, axis=2)  # (B, H, n * C, Dv)
     return out[:, :, :L], state
+
+
+def chunk_from_state(state, new_values, decayed_keys, reading, within, writing, chunk_decay):
+    """One chunk against the state it starts from (B, H, Dk, Dv): its outputs (B, H, C, Dv)
+    and the state after it. The chunk's corrected writes are what it wrote less what the
+    state already predicted for its keys."""
+    corrected = new_values - decayed_keys @ state  # (B, H, C, Dv)
+    out = reading @ state + within @ corrected
+    return out, state * chunk_decay + writing @ corrected
+
+
+# Compiled, the state's decay and the write fuse into one pass over the (Dk, Dv) state (the
+# step runs L / chunk_size times, on arrays of the same shapes each time).
+across_chunk = mx.compile(chunk_from_state)
 
 
 def causal_depthwise_conv(inputs: mx.array, weight: mx.array) -> mx.array:
