@@ -115,6 +115,21 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit])
 
 
+def check_settings(quantize: bool, dequantize: bool, awq: dict | None, quant_predicate: str | None, q_bits: int,
+                   q_group_size: int, dtype: str | None) -> None:
+    """One line for settings that contradict each other or are out of range."""
+    if quantize and dequantize:
+        raise UserError("choose either --quantize or --dequantize, not both")
+    if awq is not None and not quantize:
+        raise UserError("--awq scales the weights for quantization: pass -q too")
+    if quant_predicate is not None and (not quantize or quant_predicate not in QUANT_RECIPES):
+        raise UserError(f"--quant-predicate takes -q and one of {', '.join(QUANT_RECIPES)}")
+    if q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES:
+        raise UserError(f"--q-bits must be one of {Q_BITS} and --q-group-size one of {Q_GROUP_SIZES}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}")
+
+
 def convert(
     hf_path: str | Path,
     mlx_path: str | Path = "mlx_model",
@@ -136,16 +151,7 @@ def convert(
     (``awq.awq_weights``' keywords: data, samples, sequence_length). ``quantize_vision``: -q
     quantizes an image-text model's vision tower and projector too (else they stay in
     float). Returns the folder."""
-    if quantize and dequantize:
-        raise UserError("choose either --quantize or --dequantize, not both")
-    if awq is not None and not quantize:
-        raise UserError("--awq scales the weights for quantization: pass -q too")
-    if quant_predicate is not None and (not quantize or quant_predicate not in QUANT_RECIPES):
-        raise UserError(f"--quant-predicate takes -q and one of {', '.join(QUANT_RECIPES)}")
-    if q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES:
-        raise UserError(f"--q-bits must be one of {Q_BITS} and --q-group-size one of {Q_GROUP_SIZES}")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}")
+    check_settings(quantize, dequantize, awq, quant_predicate, q_bits, q_group_size, dtype)
     target = Path(mlx_path)
     if target.exists() and not overwrite:
         raise UserError(f"{target} already exists (pass --overwrite to replace it)")
