@@ -24,6 +24,7 @@ from .completions import answer_deltas, answer_when_done, chat_rows, framed_stre
 from .embeddings import EncoderServing, decoder_only, embeddings_response, encoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
+from .model_swap import serving_of
 from .output import Delta
 from .prompts import arguments_object
 from .protocol import ChatCompletionRequest, Lenient, Tool, parse_body, validation_error
@@ -324,21 +325,23 @@ def ollama_endpoint(handler):
 @ollama_endpoint
 async def chat(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), OllamaChatRequest)
-    serving = decoder_only(context.state.ready_serving())
-    if not request.messages:
-        return loaded(request, serving, lambda delta: {"message": chat_piece(delta)})
-    return await answer(http, serving, request, translated_chat(request), None,
-                        lambda delta: {"message": chat_piece(delta)})
+    async with serving_of(context.state, served_name(request.model) or None) as leased:  # until its rows are in
+        serving = decoder_only(leased)
+        if not request.messages:
+            return loaded(request, serving, lambda delta: {"message": chat_piece(delta)})
+        return await answer(http, serving, request, translated_chat(request), None,
+                            lambda delta: {"message": chat_piece(delta)})
 
 
 @ollama_endpoint
 async def generate(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), OllamaGenerateRequest)
-    serving = decoder_only(context.state.ready_serving())
-    if not request.prompt:
-        return loaded(request, serving, generate_piece)
-    return await answer(http, serving, request, translated_generate(request),
-                        request.prompt if request.raw else None, generate_piece)
+    async with serving_of(context.state, served_name(request.model) or None) as leased:  # until its rows are in
+        serving = decoder_only(leased)
+        if not request.prompt:
+            return loaded(request, serving, generate_piece)
+        return await answer(http, serving, request, translated_generate(request),
+                            request.prompt if request.raw else None, generate_piece)
 
 
 def model_details(serving) -> dict:
@@ -353,9 +356,40 @@ def model_entry(context, serving) -> dict:
             "modified_at": datetime.fromtimestamp(context.state.created, timezone.utc).isoformat()}
 
 
+def parameter_size(parameters: int | None) -> str:
+    """Ollama's way to write a parameter count: "260K", "1.5B"."""
+    if parameters is None:
+        return ""
+    for scale, letter in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if parameters >= scale:
+            return f"{parameters / scale:.3g}{letter}"
+    return str(parameters)
+
+
+def local_entry(path) -> dict:
+    """/api/tags' entry of a --model-dir model that is not loaded, read from its folder."""
+    from ..weights.catalog import describe_folder
+
+    folder = describe_folder(path)
+    modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()
+    return {"name": folder.name, "model": folder.name, "size": folder.size_bytes, "digest": "", "modified_at": modified,
+            "details": {"parent_model": "", "format": "safetensors", "family": folder.family,
+                        "families": [folder.family], "parameter_size": parameter_size(folder.parameters),
+                        "quantization_level": folder.quantization}}
+
+
+def local_entries(context) -> list[dict]:
+    """The loaded model, then (with --model-dir) the local ones a request may swap in."""
+    entries = [model_entry(context, context.state.ready_serving())]
+    swap = context.state.swap
+    if swap is not None:
+        entries += [local_entry(path) for name, path in swap.available().items() if name != context.state.model_id]
+    return entries
+
+
 @ollama_endpoint
 async def tags(http: HTTPRequest, context) -> Response:
-    return JSONResponse({"models": [model_entry(context, context.state.ready_serving())]})
+    return JSONResponse({"models": await asyncio.to_thread(local_entries, context)})
 
 
 @ollama_endpoint
@@ -377,8 +411,9 @@ def capabilities(serving) -> list[str]:
 @ollama_endpoint
 async def show(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), ModelRequest)
-    serving = context.state.ready_serving()
-    serving.check_model(served_name(request.model or request.name))
+    name = served_name(request.model or request.name)
+    async with serving_of(context.state, name or None) as serving:  # a local model not loaded is swapped in
+        serving.check_model(name)
     details = model_details(serving)
     info = {"general.architecture": details["family"]}
     if not isinstance(serving, EncoderServing):
@@ -410,11 +445,13 @@ async def pull(http: HTTPRequest, context) -> Response:
 async def embedded(http: HTTPRequest, context, endpoint: str) -> tuple[EmbedRequest, dict]:
     """The OpenAI embeddings answer of an Ollama embed request (embeddings.py computes it)."""
     request = parse_body(await context.body(http), EmbedRequest)
-    serving = encoder_only(context.state.ready_serving(), endpoint)
     texts = request.prompt if endpoint == "POST /api/embeddings" else request.input
     body = {"model": served_name(request.model) or None, "input": texts, "encoding_format": "float",
             **({"dimensions": request.dimensions} if request.dimensions else {})}
-    return request, await asyncio.to_thread(embeddings_response, serving, json.dumps(body).encode())
+    # an encoder has no engine to drain: its lease is what keeps it loaded while it embeds
+    async with serving_of(context.state, served_name(request.model) or None) as leased:
+        serving = encoder_only(leased, endpoint)
+        return request, await asyncio.to_thread(embeddings_response, serving, json.dumps(body).encode())
 
 
 @ollama_endpoint

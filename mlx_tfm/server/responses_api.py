@@ -25,6 +25,7 @@ from .completions import answer_deltas, answer_when_done, chat_rows, framed_stre
 from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, invalid
+from .model_swap import serving_of
 from .output import Delta
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
 
@@ -524,12 +525,13 @@ def prepared(serving, request: ResponsesRequest, history: list):
 async def create_response(http: HTTPRequest, context) -> Response:
     """POST /v1/responses: the answer as a response object, or its typed events."""
     request = parse_body(await context.body(http), ResponsesRequest)
-    serving = decoder_only(context.state.ready_serving())
     store = store_of(context)
     history = store.get(request.previous_response_id, "previous_response_id")[1] if request.previous_response_id \
         else []
-    _, rows, choices = await asyncio.to_thread(prepared, serving, request, history)
-    generation = Generation(serving.engine, rows)
+    async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
+        serving = decoder_only(leased)
+        _, rows, choices = await asyncio.to_thread(prepared, serving, request, history)
+        generation = Generation(serving.engine, rows)
     turn = Turn(request, serving.model_id, store, history)
     if request.stream:
         return framed_stream(response_events(serving, generation, choices[0], turn), generation, typed_event,
