@@ -432,10 +432,12 @@ async def version(http: HTTPRequest, context) -> Response:
 
 @ollama_endpoint
 async def pull(http: HTTPRequest, context) -> Response:
-    """Offline: the served model is there already; any other is an error."""
+    """Offline: the served model (and every --model-dir one) is there already; any other is an error."""
     request = parse_body(await context.body(http), PullRequest)
     name = served_name(request.model or request.name)
-    if name != context.state.model_id:
+    swap = context.state.swap
+    local = swap is not None and name in swap.available()  # a --model-dir model: here already, loaded on use
+    if name != context.state.model_id and not local:
         raise APIError(404, f"pulling {name!r} is not possible: this server downloads nothing and serves "
                        f"{context.state.model_id!r} (start mlx-tfm server --model with the model you want)")
     status = {"status": "success"}

@@ -284,9 +284,14 @@ def test_every_api_swaps_in_the_local_model_its_request_names(server):
         assert ask(other) and listed(server)[0] == (other, "loaded"), api
 
 
-def test_ollama_tags_lists_the_local_models(server, model_dir):
+def test_ollama_tags_lists_the_local_models_and_pull_finds_them(server, model_dir):
     loaded, other = (name for name, _ in listed(server))
-    models = ollama.Client(host=server.root, timeout=60).list().models
+    client = ollama.Client(host=server.root, timeout=60)
+    assert client.pull(f"{other}:latest").status == "success" and listed(server)[0] == (loaded, "loaded")
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.pull("not-a-model")
+    assert missing.value.status_code == 404
+    models = client.list().models
     assert [model.model for model in models] == [loaded, other]
     folder = model_dir / other
     config = json.loads((folder / "config.json").read_text())
