@@ -109,6 +109,8 @@ def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_
             if ("4 APIs mixed" in line or "chat only" in line) and not line.strip().startswith("round")]
     assert len(rows) == 2 and not any("failed" in row for row in rows), out  # a row names its failed requests
     assert "mixed / chat-only tok/s:" in out and "failed:" not in out, out
+    cpu = next(line for line in out.splitlines() if "server CPU per token:" in line)
+    assert float(cpu.split("chat-only ")[1].split(" ms")[0]) > 0, cpu  # the server's CPU time was read
     soak = next(line for line in out.splitlines() if line.strip().startswith("valid ") and "server_errors" in line)
     counts = dict(part.rsplit(" ", 1) for part in soak.strip().split(", "))
     assert counts["failed"] == counts["mixed_up"] == counts["malformed_wrong"] == counts["server_errors"] == "0", soak

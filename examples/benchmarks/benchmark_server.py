@@ -34,7 +34,9 @@ same prompt's other outputs, and samples the server's memory.
 APIs (4 each: /v1/chat/completions, /v1/responses, Ollama's /api/chat, Anthropic's
 /v1/messages) and 16 /v1/chat/completions clients; each round its own distinct prompts (no
 prefix-cache hits), streaming, the same prompt length and token count; prints both groups'
-aggregate tok/s and their ratio. Only OpenAI's API has a logit bias, so these parts serve
+aggregate tok/s and their ratio, and the server's CPU time per token in each group (from
+/proc: what the API paths themselves cost, which other jobs on a shared machine move much
+less than the tok/s). Only OpenAI's API has a logit bias, so these parts serve
 ``llama135m-float32-no-eos``: the same weights untied, the output head's EOS row zero (its
 logit always 0, never the greedy pick of random logits), and no request sends a bias.
 ``soak-apis``: the soak with its requests spread over the four chat APIs, each getting
@@ -309,6 +311,13 @@ def rss_gb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024 / 1e9
     return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time the process has used (user + system, /proc/PID/stat): what a round costs
+    the server, which other jobs on the machine move much less than its wall-clock time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # (after the command's name)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def completion_body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
@@ -590,6 +599,7 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
     url = f"http://127.0.0.1:{port}"
     server = start_server("mlx-tfm", folder, port)
     mixed, chat_only, per_api = [], [], {name: [] for name in APIS}
+    cpu = {"mixed": 0.0, "chat only": 0.0}  # the server's CPU seconds over each group's rounds
     try:
         wait_until_ready(server, url, "mlx-tfm")
         # warm-up: every API, and the batch's prefill at full size (the first one pays for compiling)
@@ -597,21 +607,28 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
         for round_number in range(2 * args.rounds):  # mixed, chat, chat, mixed, mixed...: neither always first
             if (round_number + round_number // 2) % 2 == 0:
                 batch = prompts[round_number * n : (round_number + 1) * n]
+                used = cpu_seconds(server.pid)
                 by_api = asyncio.run(api_round(url, str(folder), mixed_apis, batch, args.max_tokens))
+                cpu["mixed"] += cpu_seconds(server.pid) - used
                 mixed.append(round_total(by_api))
                 print_round(round_number, "4 APIs mixed", mixed[-1])
                 for name, result in by_api.items():
                     per_api[name].append(result)
             else:
                 batch = prompts[round_number * n : (round_number + 1) * n]
+                used = cpu_seconds(server.pid)
                 chat_only.append(round_total(asyncio.run(api_round(url, str(folder), [APIS["chat"]] * n,
                                                                      batch, args.max_tokens))))
+                cpu["chat only"] += cpu_seconds(server.pid) - used
                 print_round(round_number, "chat only", chat_only[-1])
         peak = peak_rss_gb(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n)
+    per_token = {"mixed": cpu["mixed"] / max(1, combined(mixed).tokens),
+                 "chat only": cpu["chat only"] / max(1, combined(chat_only).tokens)}
+    return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n,
+                       per_token)
 
 
 def print_round(number: int, group: str, r: Result) -> None:
@@ -619,7 +636,8 @@ def print_round(number: int, group: str, r: Result) -> None:
     print(f"  round {number + 1}: {group:<12} {r.tok_s:.1f} tok/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f}ms", flush=True)
 
 
-def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int) -> dict:
+def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int,
+                cpu_per_token: dict[str, float]) -> dict:
     print_header()
     mixed.peak_gb = chat_only.peak_gb = peak
     print_row(NO_EOS_MODEL[:18], "4 APIs mixed", n, mixed)
@@ -629,6 +647,11 @@ def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], pe
     print("  mixed rounds' TTFT p50 by API: " + ", ".join(f"{name} {r.ttft(0.5) * 1e3:.0f}ms"
                                                           for name, r in per_api.items()))
     print(f"  mixed / chat-only tok/s: {mixed.tok_s / chat_only.tok_s:.3f} (target 0.90..1.10)", flush=True)
+    # what each group's tokens cost the server: the API paths' own work shows here even when other
+    # jobs on the machine move the tok/s from round to round
+    mixed_cpu, chat_cpu = cpu_per_token["mixed"], cpu_per_token["chat only"]
+    print(f"  server CPU per token: mixed {mixed_cpu * 1e3:.2f} ms, chat-only {chat_cpu * 1e3:.2f} ms "
+          f"(mixed / chat-only {mixed_cpu / chat_cpu if chat_cpu else float('nan'):.3f})", flush=True)
     return {**per_api, "mixed": mixed, "chat only": chat_only}
 
 
