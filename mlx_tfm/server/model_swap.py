@@ -1,7 +1,7 @@
 """One model at a time, switched on request (as Ollama does): with ``--model-dir DIR``
 the server lists every model folder in DIR on ``/v1/models`` (and Ollama's ``/api/tags``),
 and a request naming one that is not loaded swaps it in, on every API: OpenAI's chat,
-completions, embeddings, rerank and Responses, Ollama's chat, generate, show and embed,
+completions, embeddings, rerank and Responses, Ollama's chat, generate and embed (its show reads a folder, loading nothing),
 Anthropic's messages and count_tokens (``serving_of``). A failure is each API's own error
 body, as its handler's other failures are.
 

@@ -366,12 +366,9 @@ def parameter_size(parameters: int | None) -> str:
     return str(parameters)
 
 
-def local_entry(path) -> dict:
-    """/api/tags' entry of a --model-dir model that is not loaded, read from its folder."""
-    from ..weights.catalog import describe_folder
-
-    folder = describe_folder(path)
-    modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()
+def local_entry(folder) -> dict:
+    """/api/tags' entry of a --model-dir model that is not loaded (a catalog ModelFolder)."""
+    modified = datetime.fromtimestamp(folder.path.stat().st_mtime, timezone.utc).isoformat()
     return {"name": folder.name, "model": folder.name, "size": folder.size_bytes, "digest": "", "modified_at": modified,
             "details": {"parent_model": "", "format": "safetensors", "family": folder.family,
                         "families": [folder.family], "parameter_size": parameter_size(folder.parameters),
@@ -383,7 +380,10 @@ def local_entries(context) -> list[dict]:
     entries = [model_entry(context, context.state.ready_serving())]
     swap = context.state.swap
     if swap is not None:
-        entries += [local_entry(path) for name, path in swap.available().items() if name != context.state.model_id]
+        from ..weights.catalog import describe_folder
+
+        entries += [local_entry(describe_folder(path)) for name, path in swap.available().items()
+                    if name != context.state.model_id]
     return entries
 
 
@@ -400,29 +400,50 @@ async def running(http: HTTPRequest, context) -> Response:
                                      "expires_at": "0001-01-01T00:00:00Z", "context_length": context_length}]})
 
 
-def capabilities(serving) -> list[str]:
-    if isinstance(serving, EncoderServing):
+def capabilities(encoder: bool, template: str) -> list[str]:
+    if encoder:
         return ["embedding"]
-    template = serving.tokenizer.chat_template or ""
     return ["completion", *(["tools"] if "tools" in template else []),
             *(["thinking"] if "<think>" in template or "enable_thinking" in template else [])]
+
+
+def show_body(details: dict, encoder: bool, template: str, context_length: int | None, vocab_size: int,
+              modified_at: str) -> dict:
+    info = {"general.architecture": details["family"]}
+    if not encoder:
+        info.update({f"{details['family']}.context_length": context_length,
+                     f"{details['family']}.vocab_size": vocab_size})
+    return {"modelfile": "", "parameters": "", "template": template, "details": details, "model_info": info,
+            "capabilities": capabilities(encoder, template), "modified_at": modified_at}
+
+
+def folder_show(path) -> dict:
+    """/api/show of a --model-dir model that is not loaded, read from its folder: as Ollama's
+    show, it loads nothing (clients ask about every model they list; none of them is swapped in)."""
+    from ..families import model_args_from_config
+    from ..weights.catalog import chat_template_of, describe_folder
+
+    folder = describe_folder(path)
+    args = model_args_from_config(folder.config)
+    entry = local_entry(folder)
+    encoder = args.kind == "encoder"
+    return show_body(entry["details"], encoder, "" if encoder else chat_template_of(path) or "",
+                     args.max_position_embeddings, args.vocab_size, entry["modified_at"])
 
 
 @ollama_endpoint
 async def show(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), ModelRequest)
     name = served_name(request.model or request.name)
-    async with serving_of(context.state, name or None) as serving:  # a local model not loaded is swapped in
-        serving.check_model(name)
-    details = model_details(serving)
-    info = {"general.architecture": details["family"]}
-    if not isinstance(serving, EncoderServing):
-        info.update({f"{details['family']}.context_length": serving.context,
-                     f"{details['family']}.vocab_size": serving.vocab_size})
-    template = "" if isinstance(serving, EncoderServing) else serving.tokenizer.chat_template or ""
-    return JSONResponse({"modelfile": "", "parameters": "", "template": template, "details": details,
-                         "model_info": info, "capabilities": capabilities(serving),
-                         "modified_at": model_entry(context, serving)["modified_at"]})
+    swap = context.state.swap
+    if swap is not None and name != context.state.model_id and name in swap.available():
+        return JSONResponse(await asyncio.to_thread(folder_show, swap.available()[name]))
+    serving = context.state.ready_serving()
+    serving.check_model(name)
+    encoder = isinstance(serving, EncoderServing)
+    template = "" if encoder else serving.tokenizer.chat_template or ""
+    return JSONResponse(show_body(model_details(serving), encoder, template, None if encoder else serving.context,
+                                  0 if encoder else serving.vocab_size, model_entry(context, serving)["modified_at"]))
 
 
 @ollama_endpoint
