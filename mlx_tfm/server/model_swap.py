@@ -220,7 +220,7 @@ async def serving_of(state, name: str | None):
     """The serving of the model ``name`` names, held while the block submits the request:
     swapped in when the server has a ``--model-dir`` and ``name`` is one of its models,
     else the loaded one. Every API's handler goes through here (each with its own way of
-    naming the model: Ollama's ``:latest`` tag, /api/show's ``name``)."""
+    naming the model: Ollama's ``:latest`` tag, Anthropic's required ``model``)."""
     if state.swap is None:
         yield state.ready_serving()
         return

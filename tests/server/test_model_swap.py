@@ -349,9 +349,14 @@ def test_a_model_that_cannot_load_is_each_apis_own_error(troubled):
     assert listed(troubled)[0] == ("alpha", "loaded")  # the previous model came back each time
 
 
-def test_ollama_embed_swaps_in_an_encoder(troubled, troubled_dir):
+def test_embedding_requests_swap_in_an_encoder(troubled, troubled_dir):
+    ai, llama, _ = clients(troubled)
     encoder = troubled_dir[1]
     texts = ["the cat sat on the mat", "the sea is blue"]
-    result = ollama.Client(host=troubled.root, timeout=120).embed("embedder", input=texts)
+    result = llama.embed("embedder", input=texts)
     assert np.abs(np.array(result.embeddings) - encoder.encode(texts)).max() < 1e-5
     assert listed(troubled)[0] == ("embedder", "loaded")
+    llama.generate("alpha", prompt="Hi", options={"num_predict": 1})  # the decoder back
+    assert listed(troubled)[0] == ("alpha", "loaded")
+    vectors = [item.embedding for item in ai.embeddings.create(model="embedder", input=texts).data]
+    assert np.abs(np.array(vectors) - encoder.encode(texts)).max() < 1e-5 and listed(troubled)[0][0] == "embedder"
