@@ -6,6 +6,7 @@ mlx-lm's BatchGenerator and `mlx_lm.server`, same models, prompts, BLAS and mach
     python examples/benchmarks/benchmark_server.py --part engine --clients 1,16
     python examples/benchmarks/benchmark_server.py --part soak --seconds 60
     python examples/benchmarks/benchmark_server.py --part apis           # the four chat APIs against chat completions
+    python examples/benchmarks/benchmark_server.py --part api-costs      # each API's own cost, one request at a time
     python examples/benchmarks/benchmark_server.py --part soak-apis --seconds 60
     python examples/benchmarks/benchmark_server.py --toy --part apis,soak-apis --seconds 3   # seconds, a toy model
 
@@ -39,6 +40,9 @@ aggregate tok/s and their ratio, and the server's CPU time per token in each gro
 less than the tok/s). Only OpenAI's API has a logit bias, so these parts serve
 ``llama135m-float32-no-eos``: the same weights untied, the output head's EOS row zero (its
 logit always 0, never the greedy pick of random logits), and no request sends a bias.
+``api-costs``: one streamed request at a time, each of the four APIs in turn: the server's
+CPU time and the wall time per token of each API's own path (where an API doing extra work
+per request or per token would show, apart from batching and other jobs' noise).
 ``soak-apis``: the soak with its requests spread over the four chat APIs, each getting
 streamed, whole, hung-up and malformed requests; one prompt's outputs are compared across
 all four; counts server errors (5xx) too. ``--toy``: a 2-layer, 64-wide model with a
@@ -631,6 +635,37 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
                        per_token)
 
 
+def api_costs_part(folders: dict[str, Path], args) -> dict[str, tuple[float, float]]:
+    """One streamed request at a time, each API in turn (--rounds times, each its own
+    prompt): the server's CPU time and the wall time per generated token of each API's path
+    on its own, apart from batching. Returns {API: (CPU s/token, wall s/token)}."""
+    folder = folders[NO_EOS_MODEL]
+    print(f"\napi-costs: mlx-tfm server, one streamed request at a time per API, {args.prompt_tokens}-token prompts, "
+          f"{args.max_tokens} new tokens, {args.rounds} rounds")
+    prompts = prompt_texts(folder, (args.rounds + 1) * len(API_LIST), args.prompt_tokens)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server("mlx-tfm", folder, port)
+    spent = {api.name: [0.0, 0.0, 0] for api in API_LIST}  # CPU seconds, wall seconds, tokens
+    try:
+        wait_until_ready(server, url, "mlx-tfm")
+        asyncio.run(api_round(url, str(folder), list(API_LIST), prompts[-len(API_LIST):], 4))  # warm-up
+        for index in range(args.rounds * len(API_LIST)):
+            api = API_LIST[index % len(API_LIST)]
+            used = cpu_seconds(server.pid)
+            result = asyncio.run(api_round(url, str(folder), [api], [prompts[index]], args.max_tokens))[api.name]
+            spent[api.name][0] += cpu_seconds(server.pid) - used
+            spent[api.name][1] += result.seconds
+            spent[api.name][2] += result.tokens
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    costs = {name: (cpu / max(1, tokens), wall / max(1, tokens)) for name, (cpu, wall, tokens) in spent.items()}
+    print("  per token (server CPU, wall): " + ", ".join(f"{name} {cpu * 1e3:.2f} ms, {wall * 1e3:.2f} ms"
+                                                          for name, (cpu, wall) in costs.items()), flush=True)
+    return costs
+
+
 def print_round(number: int, group: str, r: Result) -> None:
     """One round's figures: the aggregate's TTFT median hides a round slower than the rest."""
     print(f"  round {number + 1}: {group:<12} {r.tok_s:.1f} tok/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f}ms", flush=True)
@@ -752,7 +787,8 @@ def report_soak(soak: Soak, memory: list[tuple[float, float]], alive: bool, seco
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="engine,http", help="engine, http, soak, apis, soak-apis (comma-separated)")
+    parser.add_argument("--part", default="engine,http",
+                        help="engine, http, soak, apis, api-costs, soak-apis (comma-separated)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--servers", default="mlx-tfm,mlx_lm.server",
@@ -774,9 +810,9 @@ def main() -> None:
     from mlx_tfm.blas import blas_description
 
     parts = args.part.split(",")
-    unknown_parts = set(parts) - {"engine", "http", "soak", "apis", "soak-apis"}
+    unknown_parts = set(parts) - {"engine", "http", "soak", "apis", "api-costs", "soak-apis"}
     if unknown_parts:
-        parser.error(f"--part: unknown {', '.join(sorted(unknown_parts))} (engine, http, soak, apis, soak-apis)")
+        parser.error(f"--part: unknown {', '.join(sorted(unknown_parts))} (engine, http, soak, apis, api-costs, soak-apis)")
     folders = build_models(args.folder, TOY if args.toy else LLAMA_135M)
     models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
@@ -792,6 +828,8 @@ def main() -> None:
         soak_part(folders, args)
     if "apis" in parts:
         apis_part(folders, args)
+    if "api-costs" in parts:
+        api_costs_part(folders, args)
     if "soak-apis" in parts:
         soak_part(folders, args, across_apis=True)
 
