@@ -97,7 +97,7 @@ def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_
     """--part apis and --part soak-apis on the toy model for a few seconds: every API makes
     tokens, no valid request fails, outputs agree, malformed bodies get 400s, no 5xx."""
     command = [sys.executable, str(BENCHMARKS / "benchmark_server.py"), "--toy", "--folder", str(tmp_path / "models"),
-               "--part", "apis,soak-apis", "--api-clients", "8", "--rounds", "1", "--prompt-tokens", "16",
+               "--part", "apis,api-costs,soak-apis", "--api-clients", "8", "--rounds", "1", "--prompt-tokens", "16",
                "--max-tokens", "6", "--seconds", "3", "--soak-clients", "8", "--soak-tokens", "4"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,6 +109,11 @@ def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_
             if ("4 APIs mixed" in line or "chat only" in line) and not line.strip().startswith("round")]
     assert len(rows) == 2 and not any("failed" in row for row in rows), out  # a row names its failed requests
     assert "mixed / chat-only tok/s:" in out and "failed:" not in out, out
+    costs = next(line for line in out.splitlines() if "per token (server CPU, wall):" in line)
+    for api in ("chat", "responses", "ollama", "anthropic"):  # each API's own cost, one request at a time
+        assert f" {api} " in costs, costs
+    cpu = next(line for line in out.splitlines() if "server CPU per token:" in line)
+    assert float(cpu.split("chat-only ")[1].split(" ms")[0]) > 0, cpu  # the server's CPU time was read
     soak = next(line for line in out.splitlines() if line.strip().startswith("valid ") and "server_errors" in line)
     counts = dict(part.rsplit(" ", 1) for part in soak.strip().split(", "))
     assert counts["failed"] == counts["mixed_up"] == counts["malformed_wrong"] == counts["server_errors"] == "0", soak

@@ -6,6 +6,7 @@ mlx-lm's BatchGenerator and `mlx_lm.server`, same models, prompts, BLAS and mach
     python examples/benchmarks/benchmark_server.py --part engine --clients 1,16
     python examples/benchmarks/benchmark_server.py --part soak --seconds 60
     python examples/benchmarks/benchmark_server.py --part apis           # the four chat APIs against chat completions
+    python examples/benchmarks/benchmark_server.py --part api-costs      # each API's own cost, one request at a time
     python examples/benchmarks/benchmark_server.py --part soak-apis --seconds 60
     python examples/benchmarks/benchmark_server.py --toy --part apis,soak-apis --seconds 3   # seconds, a toy model
 
@@ -34,9 +35,14 @@ same prompt's other outputs, and samples the server's memory.
 APIs (4 each: /v1/chat/completions, /v1/responses, Ollama's /api/chat, Anthropic's
 /v1/messages) and 16 /v1/chat/completions clients; each round its own distinct prompts (no
 prefix-cache hits), streaming, the same prompt length and token count; prints both groups'
-aggregate tok/s and their ratio. Only OpenAI's API has a logit bias, so these parts serve
+aggregate tok/s and their ratio, and the server's CPU time per token in each group (from
+/proc: what the API paths themselves cost, which other jobs on a shared machine move much
+less than the tok/s). Only OpenAI's API has a logit bias, so these parts serve
 ``llama135m-float32-no-eos``: the same weights untied, the output head's EOS row zero (its
 logit always 0, never the greedy pick of random logits), and no request sends a bias.
+``api-costs``: one streamed request at a time, each of the four APIs in turn: the server's
+CPU time and the wall time per token of each API's own path (where an API doing extra work
+per request or per token would show, apart from batching and other jobs' noise).
 ``soak-apis``: the soak with its requests spread over the four chat APIs, each getting
 streamed, whole, hung-up and malformed requests; one prompt's outputs are compared across
 all four; counts server errors (5xx) too. ``--toy``: a 2-layer, 64-wide model with a
@@ -309,6 +315,13 @@ def rss_gb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024 / 1e9
     return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time the process has used (user + system, /proc/PID/stat): what a round costs
+    the server, which other jobs on the machine move much less than its wall-clock time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # (after the command's name)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def completion_body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
@@ -590,6 +603,7 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
     url = f"http://127.0.0.1:{port}"
     server = start_server("mlx-tfm", folder, port)
     mixed, chat_only, per_api = [], [], {name: [] for name in APIS}
+    cpu = {"mixed": 0.0, "chat only": 0.0}  # the server's CPU seconds over each group's rounds
     try:
         wait_until_ready(server, url, "mlx-tfm")
         # warm-up: every API, and the batch's prefill at full size (the first one pays for compiling)
@@ -597,21 +611,59 @@ def apis_part(folders: dict[str, Path], args) -> dict[str, Result]:
         for round_number in range(2 * args.rounds):  # mixed, chat, chat, mixed, mixed...: neither always first
             if (round_number + round_number // 2) % 2 == 0:
                 batch = prompts[round_number * n : (round_number + 1) * n]
+                used = cpu_seconds(server.pid)
                 by_api = asyncio.run(api_round(url, str(folder), mixed_apis, batch, args.max_tokens))
+                cpu["mixed"] += cpu_seconds(server.pid) - used
                 mixed.append(round_total(by_api))
                 print_round(round_number, "4 APIs mixed", mixed[-1])
                 for name, result in by_api.items():
                     per_api[name].append(result)
             else:
                 batch = prompts[round_number * n : (round_number + 1) * n]
+                used = cpu_seconds(server.pid)
                 chat_only.append(round_total(asyncio.run(api_round(url, str(folder), [APIS["chat"]] * n,
                                                                      batch, args.max_tokens))))
+                cpu["chat only"] += cpu_seconds(server.pid) - used
                 print_round(round_number, "chat only", chat_only[-1])
         peak = peak_rss_gb(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n)
+    per_token = {"mixed": cpu["mixed"] / max(1, combined(mixed).tokens),
+                 "chat only": cpu["chat only"] / max(1, combined(chat_only).tokens)}
+    return report_apis(combined(mixed), combined(chat_only), {k: combined(v) for k, v in per_api.items()}, peak, n,
+                       per_token)
+
+
+def api_costs_part(folders: dict[str, Path], args) -> dict[str, tuple[float, float]]:
+    """One streamed request at a time, each API in turn (--rounds times, each its own
+    prompt): the server's CPU time and the wall time per generated token of each API's path
+    on its own, apart from batching. Returns {API: (CPU s/token, wall s/token)}."""
+    folder = folders[NO_EOS_MODEL]
+    print(f"\napi-costs: mlx-tfm server, one streamed request at a time per API, {args.prompt_tokens}-token prompts, "
+          f"{args.max_tokens} new tokens, {args.rounds} rounds")
+    prompts = prompt_texts(folder, (args.rounds + 1) * len(API_LIST), args.prompt_tokens)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server("mlx-tfm", folder, port)
+    spent = {api.name: [0.0, 0.0, 0] for api in API_LIST}  # CPU seconds, wall seconds, tokens
+    try:
+        wait_until_ready(server, url, "mlx-tfm")
+        asyncio.run(api_round(url, str(folder), list(API_LIST), prompts[-len(API_LIST):], 4))  # warm-up
+        for index in range(args.rounds * len(API_LIST)):
+            api = API_LIST[index % len(API_LIST)]
+            used = cpu_seconds(server.pid)
+            result = asyncio.run(api_round(url, str(folder), [api], [prompts[index]], args.max_tokens))[api.name]
+            spent[api.name][0] += cpu_seconds(server.pid) - used
+            spent[api.name][1] += result.seconds
+            spent[api.name][2] += result.tokens
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    costs = {name: (cpu / max(1, tokens), wall / max(1, tokens)) for name, (cpu, wall, tokens) in spent.items()}
+    print("  per token (server CPU, wall): " + ", ".join(f"{name} {cpu * 1e3:.2f} ms, {wall * 1e3:.2f} ms"
+                                                          for name, (cpu, wall) in costs.items()), flush=True)
+    return costs
 
 
 def print_round(number: int, group: str, r: Result) -> None:
@@ -619,7 +671,8 @@ def print_round(number: int, group: str, r: Result) -> None:
     print(f"  round {number + 1}: {group:<12} {r.tok_s:.1f} tok/s, TTFT p50 {r.ttft(0.5) * 1e3:.0f}ms", flush=True)
 
 
-def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int) -> dict:
+def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], peak: float, n: int,
+                cpu_per_token: dict[str, float]) -> dict:
     print_header()
     mixed.peak_gb = chat_only.peak_gb = peak
     print_row(NO_EOS_MODEL[:18], "4 APIs mixed", n, mixed)
@@ -629,6 +682,11 @@ def report_apis(mixed: Result, chat_only: Result, per_api: dict[str, Result], pe
     print("  mixed rounds' TTFT p50 by API: " + ", ".join(f"{name} {r.ttft(0.5) * 1e3:.0f}ms"
                                                           for name, r in per_api.items()))
     print(f"  mixed / chat-only tok/s: {mixed.tok_s / chat_only.tok_s:.3f} (target 0.90..1.10)", flush=True)
+    # what each group's tokens cost the server: the API paths' own work shows here even when other
+    # jobs on the machine move the tok/s from round to round
+    mixed_cpu, chat_cpu = cpu_per_token["mixed"], cpu_per_token["chat only"]
+    print(f"  server CPU per token: mixed {mixed_cpu * 1e3:.2f} ms, chat-only {chat_cpu * 1e3:.2f} ms "
+          f"(mixed / chat-only {mixed_cpu / chat_cpu if chat_cpu else float('nan'):.3f})", flush=True)
     return {**per_api, "mixed": mixed, "chat only": chat_only}
 
 
@@ -729,7 +787,8 @@ def report_soak(soak: Soak, memory: list[tuple[float, float]], alive: bool, seco
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="engine,http", help="engine, http, soak, apis, soak-apis (comma-separated)")
+    parser.add_argument("--part", default="engine,http",
+                        help="engine, http, soak, apis, api-costs, soak-apis (comma-separated)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--servers", default="mlx-tfm,mlx_lm.server",
@@ -751,9 +810,9 @@ def main() -> None:
     from mlx_tfm.blas import blas_description
 
     parts = args.part.split(",")
-    unknown_parts = set(parts) - {"engine", "http", "soak", "apis", "soak-apis"}
+    unknown_parts = set(parts) - {"engine", "http", "soak", "apis", "api-costs", "soak-apis"}
     if unknown_parts:
-        parser.error(f"--part: unknown {', '.join(sorted(unknown_parts))} (engine, http, soak, apis, soak-apis)")
+        parser.error(f"--part: unknown {', '.join(sorted(unknown_parts))} (engine, http, soak, apis, api-costs, soak-apis)")
     folders = build_models(args.folder, TOY if args.toy else LLAMA_135M)
     models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
@@ -769,6 +828,8 @@ def main() -> None:
         soak_part(folders, args)
     if "apis" in parts:
         apis_part(folders, args)
+    if "api-costs" in parts:
+        api_costs_part(folders, args)
     if "soak-apis" in parts:
         soak_part(folders, args, across_apis=True)
 

@@ -20,9 +20,11 @@ Modules, by job:
     ollama_api    Ollama's API (/api/chat, /api/generate, tags, show, embed...) on the same machinery
     anthropic_api Anthropic's Messages API (/v1/messages, count_tokens) on the same machinery
     responses_api OpenAI's Responses API (/v1/responses, kept responses by id) on the same machinery
+    response_items a kept response's input items as the spec's item resources, in pages
     metrics       Prometheus text for /metrics
     page_route    the chat page for browsers at / (its files in page/), and /props for it
     app           the Starlette app: routes, API key, CORS, body limit, model loading
     model_swap    --model-dir: the local models /v1/models lists, one loaded at a time, swapped on request
+                  by any API's request
     serve         uvicorn with a clean Ctrl-C / SIGTERM
 """

@@ -23,6 +23,7 @@ from .completions import answer_deltas, answer_when_done, chat_rows, framed_stre
 from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
+from .model_swap import serving_of
 from .output import Delta
 from .prompts import arguments_object, chat_prompt
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
@@ -375,9 +376,10 @@ def anthropic_endpoint(handler):
 @anthropic_endpoint
 async def messages(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), MessagesRequest)
-    serving = decoder_only(context.state.ready_serving())
-    openai_request, rows, choices = await asyncio.to_thread(chat_rows, serving, translated(request))
-    generation = Generation(serving.engine, rows)
+    async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
+        serving = decoder_only(leased)
+        openai_request, rows, choices = await asyncio.to_thread(chat_rows, serving, translated(request))
+        generation = Generation(serving.engine, rows)
     stopping = Stopping(serving, openai_request.stop_strings)
     if request.stream:
         events = message_events(serving, generation, choices[0], stopping, request.model, len(rows[0].prompt))
@@ -397,8 +399,9 @@ def prompt_tokens(serving, request: CountTokensRequest) -> int:
 @anthropic_endpoint
 async def count_tokens(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), CountTokensRequest)
-    serving = decoder_only(context.state.ready_serving())
-    return JSONResponse({"input_tokens": await asyncio.to_thread(prompt_tokens, serving, request)})
+    async with serving_of(context.state, request.model) as leased:  # its tokenizer and template count
+        serving = decoder_only(leased)
+        return JSONResponse({"input_tokens": await asyncio.to_thread(prompt_tokens, serving, request)})
 
 
 # (path, method, handler, the prefixes it answers under): app.py adds them to its ROUTES.

@@ -197,17 +197,20 @@ async def complete(http: HTTPRequest, context: AppContext):
 
 async def fill_in(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await infill(decoder_only(context.state.ready_serving()), http, body)
+    async with serving_named(context.state, body) as serving:  # held until the rows are in its engine
+        return await infill(decoder_only(serving), http, body)
 
 
 async def embed(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await embeddings(context.state.ready_serving(), http, body)
+    async with serving_named(context.state, body) as serving:  # an encoder's lease keeps it loaded meanwhile
+        return await embeddings(serving, http, body)
 
 
 async def rank(http: HTTPRequest, context: AppContext):
     body = await read_body(http, context.settings.max_body_bytes)
-    return await rerank(context.state.ready_serving(), http, body)
+    async with serving_named(context.state, body) as serving:  # an encoder's lease keeps it loaded meanwhile
+        return await rerank(serving, http, body)
 
 
 async def list_models(http: HTTPRequest, context: AppContext):

@@ -1,6 +1,9 @@
 """One model at a time, switched on request (as Ollama does): with ``--model-dir DIR``
-the server lists every model folder in DIR on ``/v1/models``, and a request naming one
-that is not loaded swaps it in.
+the server lists every model folder in DIR on ``/v1/models`` (and Ollama's ``/api/tags``),
+and a request naming one that is not loaded swaps it in, on every API: OpenAI's chat,
+completions, embeddings, rerank and Responses, Ollama's chat, generate and embed (its show reads a folder, loading nothing),
+Anthropic's messages and count_tokens (``serving_of``). A failure is each API's own error
+body, as its handler's other failures are.
 
 A swap runs on a thread of its own, one at a time: new requests wait for it; the old
 model's requests get ``DRAIN_SECONDS`` to finish (those still running after that end
@@ -213,12 +216,18 @@ class ModelSwap:
 
 
 @contextlib.asynccontextmanager
-async def serving_named(state, body: bytes):
-    """The serving a request body's ``model`` names, held while the block submits the
-    request: swapped in when the server has a ``--model-dir`` and the body names one of
-    its models, else the loaded one."""
+async def serving_of(state, name: str | None):
+    """The serving of the model ``name`` names, held while the block submits the request:
+    swapped in when the server has a ``--model-dir`` and ``name`` is one of its models,
+    else the loaded one. Every API's handler goes through here (each with its own way of
+    naming the model: Ollama's ``:latest`` tag, Anthropic's required ``model``)."""
     if state.swap is None:
         yield state.ready_serving()
         return
-    async with state.swap.lease(requested_model(body)) as serving:
+    async with state.swap.lease(name) as serving:
         yield serving
+
+
+def serving_named(state, body: bytes):
+    """``serving_of`` the model a request body's ``model`` field names (OpenAI's APIs)."""
+    return serving_of(state, requested_model(body))

@@ -24,6 +24,7 @@ from .completions import answer_deltas, answer_when_done, chat_rows, framed_stre
 from .embeddings import EncoderServing, decoder_only, embeddings_response, encoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
+from .model_swap import serving_of
 from .output import Delta
 from .prompts import arguments_object
 from .protocol import ChatCompletionRequest, Lenient, Tool, parse_body, validation_error
@@ -324,21 +325,23 @@ def ollama_endpoint(handler):
 @ollama_endpoint
 async def chat(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), OllamaChatRequest)
-    serving = decoder_only(context.state.ready_serving())
-    if not request.messages:
-        return loaded(request, serving, lambda delta: {"message": chat_piece(delta)})
-    return await answer(http, serving, request, translated_chat(request), None,
-                        lambda delta: {"message": chat_piece(delta)})
+    async with serving_of(context.state, served_name(request.model) or None) as leased:  # until its rows are in
+        serving = decoder_only(leased)
+        if not request.messages:
+            return loaded(request, serving, lambda delta: {"message": chat_piece(delta)})
+        return await answer(http, serving, request, translated_chat(request), None,
+                            lambda delta: {"message": chat_piece(delta)})
 
 
 @ollama_endpoint
 async def generate(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), OllamaGenerateRequest)
-    serving = decoder_only(context.state.ready_serving())
-    if not request.prompt:
-        return loaded(request, serving, generate_piece)
-    return await answer(http, serving, request, translated_generate(request),
-                        request.prompt if request.raw else None, generate_piece)
+    async with serving_of(context.state, served_name(request.model) or None) as leased:  # until its rows are in
+        serving = decoder_only(leased)
+        if not request.prompt:
+            return loaded(request, serving, generate_piece)
+        return await answer(http, serving, request, translated_generate(request),
+                            request.prompt if request.raw else None, generate_piece)
 
 
 def model_details(serving) -> dict:
@@ -353,9 +356,40 @@ def model_entry(context, serving) -> dict:
             "modified_at": datetime.fromtimestamp(context.state.created, timezone.utc).isoformat()}
 
 
+def parameter_size(parameters: int | None) -> str:
+    """Ollama's way to write a parameter count: "260K", "1.5B"."""
+    if parameters is None:
+        return ""
+    for scale, letter in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if parameters >= scale:
+            return f"{parameters / scale:.3g}{letter}"
+    return str(parameters)
+
+
+def local_entry(folder) -> dict:
+    """/api/tags' entry of a --model-dir model that is not loaded (a catalog ModelFolder)."""
+    modified = datetime.fromtimestamp(folder.path.stat().st_mtime, timezone.utc).isoformat()
+    return {"name": folder.name, "model": folder.name, "size": folder.size_bytes, "digest": "", "modified_at": modified,
+            "details": {"parent_model": "", "format": "safetensors", "family": folder.family,
+                        "families": [folder.family], "parameter_size": parameter_size(folder.parameters),
+                        "quantization_level": folder.quantization}}
+
+
+def local_entries(context) -> list[dict]:
+    """The loaded model, then (with --model-dir) the local ones a request may swap in."""
+    entries = [model_entry(context, context.state.ready_serving())]
+    swap = context.state.swap
+    if swap is not None:
+        from ..weights.catalog import describe_folder
+
+        entries += [local_entry(describe_folder(path)) for name, path in swap.available().items()
+                    if name != context.state.model_id]
+    return entries
+
+
 @ollama_endpoint
 async def tags(http: HTTPRequest, context) -> Response:
-    return JSONResponse({"models": [model_entry(context, context.state.ready_serving())]})
+    return JSONResponse({"models": await asyncio.to_thread(local_entries, context)})
 
 
 @ollama_endpoint
@@ -366,28 +400,50 @@ async def running(http: HTTPRequest, context) -> Response:
                                      "expires_at": "0001-01-01T00:00:00Z", "context_length": context_length}]})
 
 
-def capabilities(serving) -> list[str]:
-    if isinstance(serving, EncoderServing):
+def capabilities(encoder: bool, template: str) -> list[str]:
+    if encoder:
         return ["embedding"]
-    template = serving.tokenizer.chat_template or ""
     return ["completion", *(["tools"] if "tools" in template else []),
             *(["thinking"] if "<think>" in template or "enable_thinking" in template else [])]
+
+
+def show_body(details: dict, encoder: bool, template: str, context_length: int | None, vocab_size: int,
+              modified_at: str) -> dict:
+    info = {"general.architecture": details["family"]}
+    if not encoder:
+        info.update({f"{details['family']}.context_length": context_length,
+                     f"{details['family']}.vocab_size": vocab_size})
+    return {"modelfile": "", "parameters": "", "template": template, "details": details, "model_info": info,
+            "capabilities": capabilities(encoder, template), "modified_at": modified_at}
+
+
+def folder_show(path) -> dict:
+    """/api/show of a --model-dir model that is not loaded, read from its folder: as Ollama's
+    show, it loads nothing (clients ask about every model they list; none of them is swapped in)."""
+    from ..families import model_args_from_config
+    from ..weights.catalog import chat_template_of, describe_folder
+
+    folder = describe_folder(path)
+    args = model_args_from_config(folder.config)
+    entry = local_entry(folder)
+    encoder = args.kind == "encoder"
+    return show_body(entry["details"], encoder, "" if encoder else chat_template_of(path) or "",
+                     args.max_position_embeddings, args.vocab_size, entry["modified_at"])
 
 
 @ollama_endpoint
 async def show(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), ModelRequest)
+    name = served_name(request.model or request.name)
+    swap = context.state.swap
+    if swap is not None and name != context.state.model_id and name in swap.available():
+        return JSONResponse(await asyncio.to_thread(folder_show, swap.available()[name]))
     serving = context.state.ready_serving()
-    serving.check_model(served_name(request.model or request.name))
-    details = model_details(serving)
-    info = {"general.architecture": details["family"]}
-    if not isinstance(serving, EncoderServing):
-        info.update({f"{details['family']}.context_length": serving.context,
-                     f"{details['family']}.vocab_size": serving.vocab_size})
-    template = "" if isinstance(serving, EncoderServing) else serving.tokenizer.chat_template or ""
-    return JSONResponse({"modelfile": "", "parameters": "", "template": template, "details": details,
-                         "model_info": info, "capabilities": capabilities(serving),
-                         "modified_at": model_entry(context, serving)["modified_at"]})
+    serving.check_model(name)
+    encoder = isinstance(serving, EncoderServing)
+    template = "" if encoder else serving.tokenizer.chat_template or ""
+    return JSONResponse(show_body(model_details(serving), encoder, template, None if encoder else serving.context,
+                                  0 if encoder else serving.vocab_size, model_entry(context, serving)["modified_at"]))
 
 
 @ollama_endpoint
@@ -397,10 +453,12 @@ async def version(http: HTTPRequest, context) -> Response:
 
 @ollama_endpoint
 async def pull(http: HTTPRequest, context) -> Response:
-    """Offline: the served model is there already; any other is an error."""
+    """Offline: the served model (and every --model-dir one) is there already; any other is an error."""
     request = parse_body(await context.body(http), PullRequest)
     name = served_name(request.model or request.name)
-    if name != context.state.model_id:
+    swap = context.state.swap
+    local = swap is not None and name in swap.available()  # a --model-dir model: here already, loaded on use
+    if name != context.state.model_id and not local:
         raise APIError(404, f"pulling {name!r} is not possible: this server downloads nothing and serves "
                        f"{context.state.model_id!r} (start mlx-tfm server --model with the model you want)")
     status = {"status": "success"}
@@ -410,11 +468,13 @@ async def pull(http: HTTPRequest, context) -> Response:
 async def embedded(http: HTTPRequest, context, endpoint: str) -> tuple[EmbedRequest, dict]:
     """The OpenAI embeddings answer of an Ollama embed request (embeddings.py computes it)."""
     request = parse_body(await context.body(http), EmbedRequest)
-    serving = encoder_only(context.state.ready_serving(), endpoint)
     texts = request.prompt if endpoint == "POST /api/embeddings" else request.input
     body = {"model": served_name(request.model) or None, "input": texts, "encoding_format": "float",
             **({"dimensions": request.dimensions} if request.dimensions else {})}
-    return request, await asyncio.to_thread(embeddings_response, serving, json.dumps(body).encode())
+    # an encoder has no engine to drain: its lease is what keeps it loaded while it embeds
+    async with serving_of(context.state, served_name(request.model) or None) as leased:
+        serving = encoder_only(leased, endpoint)
+        return request, await asyncio.to_thread(embeddings_response, serving, json.dumps(body).encode())
 
 
 @ollama_endpoint

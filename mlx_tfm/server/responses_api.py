@@ -2,8 +2,11 @@
 coding agents: ``POST /v1/responses`` (input as a string or a list of items: messages,
 function calls and their outputs, reasoning; ``instructions``; function ``tools`` and
 ``tool_choice``; ``text.format`` for JSON held to a schema; ``max_output_tokens``; typed
-server-sent events when streaming), ``GET`` and ``DELETE /v1/responses/{id}``, and
-``previous_response_id`` over the responses kept in memory (the last ``STORED_RESPONSES``).
+server-sent events when streaming; ``reasoning.summary`` writes the thinking as the
+reasoning item's summary), ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items`` (pages of the spec's ResponseItemList,
+response_items.py), and ``previous_response_id`` over the responses kept in memory (the
+last ``STORED_RESPONSES``).
 A request is translated into a chat request and runs through the same machinery
 (completions.py); failures are OpenAI's error bodies."""
 
@@ -15,6 +18,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
@@ -25,8 +29,10 @@ from .completions import answer_deltas, answer_when_done, chat_rows, framed_stre
 from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, invalid
+from .model_swap import serving_of
 from .output import Delta
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
+from .response_items import item_resource, items_page
 
 # How many responses each server keeps for previous_response_id and GET (the oldest go first).
 STORED_RESPONSES = 256
@@ -58,12 +64,14 @@ def joined(content: str | list) -> str:
 
 class MessageItem(Lenient):
     type: Literal["message"]
+    id: str | None = None  # (every item's id, when the client sends one: its input_items listing keeps it)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Content]
 
 
 class FunctionCallItem(Lenient):
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str
     name: str
     arguments: str = "{}"
@@ -71,12 +79,14 @@ class FunctionCallItem(Lenient):
 
 class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str
     output: str | list[Content]
 
 
 class ReasoningItem(Lenient):
     type: Literal["reasoning"]
+    id: str | None = None
     content: list[TextContent] | None = None
     summary: list[TextContent] = Field(default_factory=list)
 
@@ -264,20 +274,21 @@ def translated(request: ResponsesRequest, history: list) -> ChatCompletionReques
 
 
 class ResponseStore:
-    """The last ``capacity`` responses (their objects and the items of their whole
-    conversation), least recently used first out."""
+    """The last ``capacity`` responses (their objects, the items of their whole
+    conversation, and their own input items as the spec's item resources), least recently
+    used first out."""
 
     def __init__(self, capacity: int = STORED_RESPONSES):
         self.capacity = capacity
-        self.entries: OrderedDict[str, tuple[dict, list]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[dict, list, list]] = OrderedDict()
 
-    def put(self, response: dict, items: list) -> None:
-        self.entries[response["id"]] = (response, items)
+    def put(self, response: dict, items: list, inputs: list[dict] = ()) -> None:
+        self.entries[response["id"]] = (response, items, list(inputs))
         self.entries.move_to_end(response["id"])
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
-    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list]:
+    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list, list]:
         if response_id not in self.entries:
             raise APIError(404, f"no response with id {response_id!r} is stored on this server", param=param,
                            code="response_not_found")
@@ -304,14 +315,58 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class TextKind:
+    """How one kind of streamed text is written: the item it goes in, the list of that
+    item's parts it fills (and the index naming the part), the part, the events' types."""
+
+    item_type: str
+    parts: str  # "content" or "summary"
+    index_name: str
+    part: tuple[tuple[str, object], ...]
+    part_added: str
+    delta: str
+    done: str
+    part_done: str
+    logprobs: bool = False  # output text's events carry (empty) logprobs
+
+    def new_part(self) -> dict:
+        return json_copy(dict(self.part))
+
+
+TEXT_KINDS = {
+    "message": TextKind("message", "content", "content_index",
+                        (("type", "output_text"), ("text", ""), ("annotations", []), ("logprobs", [])),
+                        "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                        "response.content_part.done", logprobs=True),
+    "reasoning": TextKind("reasoning", "content", "content_index", (("type", "reasoning_text"), ("text", "")),
+                          "response.content_part.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done"),
+    # reasoning.summary asked: the thinking is written as the item's summary (the model's
+    # own words: there is no second model here to summarize them)
+    "summary": TextKind("reasoning", "summary", "summary_index", (("type", "summary_text"), ("text", "")),
+                        "response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
+                        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"),
+}
+
+
+def new_item(kind: TextKind) -> dict:
+    if kind.item_type == "reasoning":
+        return {"type": "reasoning", "id": item_id("rs"), "summary": [], "content": [], "status": "in_progress"}
+    return {"type": "message", "id": item_id("msg"), "role": "assistant", "content": [], "status": "in_progress"}
+
+
 class OutputItems:
     """The output items of an answer as it streams, with the typed events that build them:
     a reasoning or message item stays open while its kind of text goes on; each function
-    call is an item of its own. ``events`` numbers every event it returns."""
+    call is an item of its own. ``events`` numbers every event it returns. With
+    ``summarize``, reasoning is written as the reasoning item's summary."""
 
-    def __init__(self):
+    def __init__(self, summarize: bool = False):
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
+        self.open_kind: TextKind | None = None
+        self.reasoning_kind = TEXT_KINDS["summary" if summarize else "reasoning"]
         self.sequence = 0
 
     def event(self, kind: str, **fields) -> dict:
@@ -319,43 +374,38 @@ class OutputItems:
         self.sequence += 1
         return event
 
-    def open_text(self, kind: str) -> list[dict]:
+    def place(self) -> dict:
+        """Where the open item's text goes: its id, its output index, its part's index."""
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1, self.open_kind.index_name: 0}
+
+    def open_text(self, kind: TextKind) -> list[dict]:
         events = self.close()
-        if kind == "reasoning":
-            self.open = {"type": "reasoning", "id": item_id("rs"), "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        else:
-            self.open = {"type": "message", "id": item_id("msg"), "role": "assistant", "content": [],
-                         "status": "in_progress"}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.open, self.open_kind = new_item(kind), kind
         self.items.append(self.open)
-        index = len(self.items) - 1
-        events.append(self.event("response.output_item.added", output_index=index, item=json_copy(self.open)))
-        events.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=index,
-                                 content_index=0, part=part))
-        self.open["content"].append(dict(part))
+        part = kind.new_part()
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                 item=json_copy(self.open)))
+        events.append(self.event(kind.part_added, **self.place(), part=part))
+        self.open[kind.parts].append(dict(part))
         return events
 
-    def text(self, kind: str, text: str) -> list[dict]:
-        events = [] if self.open is not None and self.open["type"] == kind else self.open_text(kind)
-        part = self.open["content"][0]
-        part["text"] += text
-        place = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        if kind == "reasoning":
-            return events + [self.event("response.reasoning_text.delta", **place, delta=text)]
-        return events + [self.event("response.output_text.delta", **place, delta=text, logprobs=[])]
+    def text(self, name: str, text: str) -> list[dict]:
+        """``text`` of the answer (``name`` "message") or of its reasoning."""
+        kind = TEXT_KINDS["message"] if name == "message" else self.reasoning_kind
+        events = [] if self.open_kind is kind else self.open_text(kind)
+        self.open[kind.parts][0]["text"] += text
+        return events + [self.event(kind.delta, **self.place(), delta=text, **({"logprobs": []} if kind.logprobs else {}))]
 
     def close(self) -> list[dict]:
         if self.open is None:
             return []
-        item, self.open = self.open, None
-        part, index = item["content"][0], len(self.items) - 1
-        place = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        done = self.event("response.reasoning_text.done", **place, text=part["text"]) if item["type"] == "reasoning" \
-            else self.event("response.output_text.done", **place, text=part["text"], logprobs=[])
+        kind, place = self.open_kind, self.place()
+        item, part = self.open, self.open[self.open_kind.parts][0]
+        self.open = self.open_kind = None
+        done = self.event(kind.done, **place, text=part["text"], **({"logprobs": []} if kind.logprobs else {}))
         item["status"] = "completed"
-        return [done, self.event("response.content_part.done", **place, part=json_copy(part)),
-                self.event("response.output_item.done", output_index=index, item=json_copy(item))]
+        return [done, self.event(kind.part_done, **place, part=json_copy(part)),
+                self.event("response.output_item.done", output_index=place["output_index"], item=json_copy(item))]
 
     def function_call(self, call) -> list[dict]:
         events = self.close()
@@ -464,9 +514,10 @@ class Turn:
     def __init__(self, request: ResponsesRequest, model: str, store: ResponseStore, history: list):
         self.request = request
         self.answer = Answer(request, model)
-        self.items = OutputItems()
+        self.items = OutputItems(summarize=request.reasoning is not None and request.reasoning.summary is not None)
         self.store = store
         self.history = history
+        self.inputs = [item_resource(item) for item in input_items(request)]  # their ids fixed for paging
 
     def response(self) -> dict:
         return self.answer.object(self.items.items)
@@ -483,7 +534,7 @@ class Turn:
             self.answer.end(event, choice.answer)
             if self.request.store:
                 conversation = self.history + input_items(self.request) + stored_items(self.items.items)
-                self.store.put(self.response(), conversation)
+                self.store.put(self.response(), conversation, self.inputs)
         return events
 
 
@@ -524,12 +575,13 @@ def prepared(serving, request: ResponsesRequest, history: list):
 async def create_response(http: HTTPRequest, context) -> Response:
     """POST /v1/responses: the answer as a response object, or its typed events."""
     request = parse_body(await context.body(http), ResponsesRequest)
-    serving = decoder_only(context.state.ready_serving())
     store = store_of(context)
     history = store.get(request.previous_response_id, "previous_response_id")[1] if request.previous_response_id \
         else []
-    _, rows, choices = await asyncio.to_thread(prepared, serving, request, history)
-    generation = Generation(serving.engine, rows)
+    async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
+        serving = decoder_only(leased)
+        _, rows, choices = await asyncio.to_thread(prepared, serving, request, history)
+        generation = Generation(serving.engine, rows)
     turn = Turn(request, serving.model_id, store, history)
     if request.stream:
         return framed_stream(response_events(serving, generation, choices[0], turn), generation, typed_event,
@@ -540,6 +592,12 @@ async def create_response(http: HTTPRequest, context) -> Response:
 async def get_response(http: HTTPRequest, context) -> Response:
     """GET /v1/responses/{id}: a kept response as it was sent."""
     return JSONResponse(store_of(context).get(http.path_params["response_id"])[0])
+
+
+async def list_input_items(http: HTTPRequest, context) -> Response:
+    """GET /v1/responses/{id}/input_items: a page of a kept response's input items."""
+    inputs = store_of(context).get(http.path_params["response_id"])[2]
+    return JSONResponse(items_page(inputs, http.query_params))
 
 
 async def delete_response(http: HTTPRequest, context) -> Response:
@@ -554,6 +612,7 @@ RESPONSES_ROUTES = (
     ("/responses", "POST", create_response, ("/v1", "")),
     ("/responses/{response_id}", "GET", get_response, ("/v1", "")),
     ("/responses/{response_id}", "DELETE", delete_response, ("/v1", "")),
+    ("/responses/{response_id}/input_items", "GET", list_input_items, ("/v1", "")),
 )
 
 __all__ = ["RESPONSES_ROUTES", "ResponseStore"]

@@ -1,6 +1,8 @@
 """`mlx-tfm server --model-dir DIR`: /v1/models lists the loaded model and the others in
 DIR; a request naming another swaps it in (one model at a time). The real server runs on
-two tiny local models; the swap's edges (draining the old model's requests, too little
+two tiny local models (every API's request swaps: Responses, Ollama, Anthropic, through
+their official clients; a model that cannot load is each API's own error; an encoder swapped
+in by /api/embed); the swap's edges (draining the old model's requests, too little
 memory, a failed or slow load) run on ``ModelSwap`` with stand-in models."""
 
 import asyncio
@@ -10,10 +12,16 @@ import threading
 import time
 from types import SimpleNamespace
 
+import anthropic
 import httpx
+import numpy as np
+import ollama
+import openai
 import pytest
 import sentencepiece
+from fixtures.encoder_models import bert_with_tokenizer, sentence_transformer_folder
 from fixtures.server_process import served
+from safetensors.numpy import load_file, save_file
 
 import mlx_tfm
 from mlx_tfm.server import model_swap
@@ -233,3 +241,122 @@ def test_a_request_for_the_old_model_during_a_swap_waits_and_swaps_back(model_di
 
     assert asyncio.run(beta_then_alpha()) == ("beta", "alpha")
     assert state.model_id == "alpha"
+
+
+# -- every API swaps: Responses, Ollama, Anthropic ----------------------------------------------------
+
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+def clients(server):
+    return (openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120),
+            ollama.Client(host=server.root, timeout=120),
+            anthropic.Anthropic(base_url=server.root, api_key="unused", max_retries=0, timeout=120))
+
+
+def chat_text(server, model: str) -> str:
+    """The greedy answer of the chat endpoint (the reference the other APIs' answers must equal)."""
+    response = httpx.post(f"{server.url}/chat/completions", timeout=120, json={
+        "model": model, "messages": HELLO, "max_tokens": 8, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_every_api_swaps_in_the_local_model_its_request_names(server):
+    ai, llama, claude = clients(server)
+    asks = {  # model -> its answer through one API: each names the model that is not loaded
+        "responses": lambda m: ai.responses.create(model=m, input=HELLO, max_output_tokens=8, temperature=0).output_text,
+        "ollama chat": lambda m: llama.chat(f"{m}:latest", messages=HELLO,
+                                            options={"num_predict": 8, "temperature": 0}).message.content,
+        "ollama generate": lambda m: llama.generate(m, prompt="Hi", options={"num_predict": 8, "temperature": 0}).response,
+        "anthropic": lambda m: claude.messages.create(model=m, max_tokens=8, messages=HELLO,
+                                                      extra_body={"temperature": 0}).content[0].text,
+    }
+    for api, ask in asks.items():
+        other = listed(server)[1][0]
+        answer = ask(other)
+        assert listed(server)[0] == (other, "loaded"), api
+        if api != "ollama generate":  # (a prompt with no messages: the same turn, so the same text)
+            assert answer == chat_text(server, other), api
+    other = listed(server)[1][0]
+    assert claude.messages.count_tokens(model=other, messages=HELLO).input_tokens > 0  # its tokenizer counts
+    assert listed(server)[0] == (other, "loaded")
+
+
+def test_ollama_show_reads_a_model_that_is_not_loaded_without_swapping(server):
+    """Clients ask /api/show about every model /api/tags lists: that must not load each in turn."""
+    llama = ollama.Client(host=server.root, timeout=120)
+    loaded, other = (name for name, _ in listed(server))
+    unloaded = llama.show(f"{other}:latest")
+    assert listed(server)[0] == (loaded, "loaded")
+    llama.generate(other, prompt="Hi", options={"num_predict": 1})  # now it is loaded: the server's own view
+    assert listed(server)[0] == (other, "loaded")
+    served = llama.show(other)
+    assert (unloaded.template, unloaded.capabilities, unloaded.modelinfo, unloaded.details.family) == \
+        (served.template, served.capabilities, served.modelinfo, served.details.family)
+    assert unloaded.modelinfo[f"{served.details.family}.context_length"] > 0
+
+
+def test_ollama_tags_lists_the_local_models_and_pull_finds_them(server, model_dir):
+    loaded, other = (name for name, _ in listed(server))
+    client = ollama.Client(host=server.root, timeout=60)
+    assert client.pull(f"{other}:latest").status == "success" and listed(server)[0] == (loaded, "loaded")
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.pull("not-a-model")
+    assert missing.value.status_code == 404
+    models = client.list().models
+    assert [model.model for model in models] == [loaded, other]
+    folder = model_dir / other
+    config = json.loads((folder / "config.json").read_text())
+    parameters = sum(tensor.size for tensor in load_file(str(folder / "model.safetensors")).values())
+    assert models[1].size == sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    assert models[1].details.family == config["model_type"]
+    assert models[1].details.parameter_size == f"{parameters / 1e3:.3g}K"  # (both tiny models count thousands)
+
+
+@pytest.fixture(scope="module")
+def troubled_dir(tmp_path_factory):
+    """alpha; broken: alpha's files with weights that do not fit its config; embedder: a
+    sentence-transformers encoder."""
+    folder = tmp_path_factory.mktemp("troubled-models")
+    shutil.copytree(DEFAULT_MODEL, folder / "alpha")
+    shutil.copytree(DEFAULT_MODEL, folder / "broken")
+    save_file({"not.a.weight": np.zeros(4, np.float32)}, str(folder / "broken" / "model.safetensors"))
+    bert_with_tokenizer(folder.parent / f"{folder.name}-bert")
+    encoder = sentence_transformer_folder(folder / "embedder", folder.parent / f"{folder.name}-bert")
+    return folder, encoder
+
+
+@pytest.fixture(scope="module")
+def troubled(troubled_dir):
+    yield from served("--model-dir", str(troubled_dir[0]), "--log-level", "error")
+
+
+def test_a_model_that_cannot_load_is_each_apis_own_error(troubled):
+    ai, llama, claude = clients(troubled)
+    wanted = "could not load the model 'broken'"
+    with pytest.raises(openai.InternalServerError) as caught:
+        ai.responses.create(model="broken", input="Hi", max_output_tokens=2)
+    assert wanted in caught.value.body["message"] and caught.value.body["code"] == "model_load_failed"
+    for ask in (lambda: llama.chat("broken", messages=HELLO), lambda: llama.generate("broken:latest", prompt="Hi")):
+        with pytest.raises(ollama.ResponseError) as failed:
+            ask()
+        assert failed.value.status_code == 500 and wanted in failed.value.error
+    with pytest.raises(anthropic.InternalServerError) as refused:
+        claude.messages.create(model="broken", max_tokens=2, messages=HELLO)
+    assert refused.value.body == {"type": "error", "error": {"type": "api_error", "message": refused.value.body[
+        "error"]["message"]}} and wanted in refused.value.body["error"]["message"]
+    assert listed(troubled)[0] == ("alpha", "loaded")  # the previous model came back each time
+
+
+def test_embedding_requests_swap_in_an_encoder(troubled, troubled_dir):
+    ai, llama, _ = clients(troubled)
+    encoder = troubled_dir[1]
+    texts = ["the cat sat on the mat", "the sea is blue"]
+    result = llama.embed("embedder", input=texts)
+    assert np.abs(np.array(result.embeddings) - encoder.encode(texts)).max() < 1e-5
+    assert listed(troubled)[0] == ("embedder", "loaded")
+    llama.generate("alpha", prompt="Hi", options={"num_predict": 1})  # the decoder back
+    assert listed(troubled)[0] == ("alpha", "loaded")
+    vectors = [item.embedding for item in ai.embeddings.create(model="embedder", input=texts).data]
+    assert np.abs(np.array(vectors) - encoder.encode(texts)).max() < 1e-5 and listed(troubled)[0][0] == "embedder"

@@ -21,7 +21,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from fixtures.responses_spec import check_event, check_response, nullable_as_any_of
+from fixtures.responses_spec import check_event, check_item_list, check_response, nullable_as_any_of
 from fixtures.scripted_server import ScriptedServer, scripted_tokenizer_folder
 from fixtures.server_models import TOOL_CHAT_TEMPLATE
 from fixtures.server_process import served
@@ -264,6 +264,84 @@ def test_stored_responses(scripted, client):
     with pytest.raises(openai.NotFoundError) as error:
         client.responses.create(model=MODEL, input="And then?", previous_response_id=unkept.id)
     assert error.value.body["param"] == "previous_response_id" and unkept.id in error.value.body["message"]
+
+
+ITEMS = [{"type": "message", "id": "msg_given", "role": "developer", "content": "Answer in one word."},
+         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                         {"type": "input_text", "text": "there"}]},
+         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+         {"type": "function_call_output", "call_id": "call_1", "output": '{"forecast": "sunny"}'},
+         {"role": "user", "content": "And tomorrow?"}]
+
+
+def listed_items(scripted, response_id: str, **query) -> dict:
+    """A raw page of input items, checked against the spec's ResponseItemList."""
+    page = httpx.get(f"{scripted.url}/responses/{response_id}/input_items", params=query, timeout=30)
+    assert page.status_code == 200, page.text
+    check_item_list(page.json())
+    return page.json()
+
+
+def test_input_items_are_listed_in_pages(scripted, client):
+    scripted.engine.script = ["Sunny."]
+    response = client.responses.create(model=MODEL, input=ITEMS, tools=[WEATHER])
+    newest_first = listed_items(scripted, response.id)
+    assert [item["type"] for item in newest_first["data"]] == [item.get("type", "message") for item in ITEMS[::-1]]
+    assert newest_first["has_more"] is False and newest_first["last_id"] == "msg_given"  # a given id is kept
+    items = list(client.responses.input_items.list(response.id, order="asc", limit=2))  # three pages, followed
+    assert [item.id for item in items] == [item["id"] for item in newest_first["data"][::-1]]
+    assert items[1].content[0].text == "Hi" and items[1].content[1].text == "there" and items[1].role == "user"
+    assert items[2].content[0].text == "Hello." and items[3].arguments == ITEMS[3]["arguments"]
+    assert items[4].output == ITEMS[4]["output"] and items[5].content[0].text == "And tomorrow?"
+    page = listed_items(scripted, response.id, order="asc", limit=2, after=items[1].id)
+    assert [item["id"] for item in page["data"]] == [items[2].id, items[3].id] and page["has_more"] is True
+    assert page["first_id"] == items[2].id and page["last_id"] == items[3].id
+    chained = client.responses.create(model=MODEL, input="Thanks!", previous_response_id=response.id)
+    assert [item.content[0].text for item in client.responses.input_items.list(chained.id)] == ["Thanks!"]
+
+
+@pytest.mark.parametrize("query, param, words", [
+    ({"limit": 0}, "limit", "limit must be an integer from 1 to 100"),
+    ({"limit": 101}, "limit", "limit must be an integer from 1 to 100"),
+    ({"order": "newest"}, "order", "order must be 'asc' or 'desc'"),
+    ({"after": "msg_unknown"}, "after", "no input item with id 'msg_unknown'"),
+])
+def test_bad_input_item_queries_are_400s(scripted, client, query, param, words):
+    scripted.engine.script = ["Ok."]
+    response = client.responses.create(model=MODEL, input=QUESTION)
+    answer = httpx.get(f"{scripted.url}/responses/{response.id}/input_items", params=query, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    assert words in answer.json()["error"]["message"]
+
+
+def test_a_forgotten_responses_input_items_are_404(scripted, client):
+    scripted.engine.script = ["Ok."]
+    response = client.responses.create(model=MODEL, input=QUESTION)
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError) as error:
+        client.responses.input_items.list(response.id)
+    assert error.value.body["code"] == "response_not_found" and response.id in error.value.body["message"]
+
+
+def test_a_reasoning_summary_carries_the_thinking(scripted, client):
+    """reasoning.summary asked: the thinking is the reasoning item's summary (there is no other summarizer)."""
+    scripted.engine.script = ["Adding.", "\n</think>\n\n", "4"]
+    asked = {"effort": "low", "summary": "auto"}
+    response = client.responses.create(model=MODEL, input=QUESTION, reasoning=asked)
+    check_response(response.model_dump(mode="json", exclude_unset=True))
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and [part.text for part in reasoning.summary] == ["Adding."]
+    assert not reasoning.content and response.output_text == "4" and response.reasoning.summary == "auto"
+    events = streamed(scripted, input=QUESTION, reasoning=asked)
+    assert [e["type"] for e in events if "reasoning" in e["type"]] == [
+        "response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+    assert [e["summary_index"] for e in events if "reasoning" in e["type"]] == [0] * 4
+    assert events[-1]["response"]["output"][0]["summary"] == [{"type": "summary_text", "text": "Adding."}]
+    with client.responses.stream(model=MODEL, input=QUESTION, reasoning=asked) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_summary_text.delta"]
+        assert "".join(deltas) == "Adding." and stream.get_final_response().output_text == "4"
 
 
 def test_the_store_keeps_the_last_responses():
