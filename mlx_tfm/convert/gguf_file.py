@@ -42,6 +42,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
+from .gguf_families import FAMILY_ARCHITECTURES
 from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -335,6 +336,8 @@ GGUF_ARCHITECTURES = {
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
+    # -- gptneox, cohere2, llama4, apertus, granitemoe, ernie4_5-moe (gguf_families.py) --
+    **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
 }
 
 
@@ -561,7 +564,8 @@ def check_experts(tensors: dict, config: dict, path: Path) -> None:
     n_experts = num_experts_of(config)
     if not n_experts:
         return
-    for layer in range(config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]):  # dense ones first
+    first, step = config.get("first_k_dense_replace") or 0, config.get("interleave_moe_layer_step") or 1
+    for layer in range(first + step - 1, config["num_hidden_layers"], step):  # dense ones first (Llama 4: between)
         for projection in ("ffn_gate", "ffn_up", "ffn_down"):
             check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
 

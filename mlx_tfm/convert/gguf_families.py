@@ -1,0 +1,197 @@
+"""llama.cpp's GGUF files of the families whose llama.cpp architecture names differ from
+the ones ``gguf_file.py`` reads first: gptneox, cohere2, llama4, apertus, granitemoe,
+ernie4_5-moe, read back into their Hugging Face checkpoints.
+
+Each row of ``FAMILY_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
+(``gguf_file.py`` builds them): the tensor-name table, the family's config keys on top of
+the llama-shaped ones every such file has, and ``restore``, which undoes what llama.cpp's
+converter did to a tensor:
+
+- GPT-NeoX's fused ``query_key_value`` rows, grouped per head in the checkpoint, are
+  written regrouped (all queries, all keys, all values): split by rows as any fused qkv
+  (``gguf_file.split_fused_qkv``, the default restore);
+- Llama 4's fused experts are written split and transposed into the stacked (experts,
+  out, in) layout, the one the family's loader stacks experts into; its llama3 RoPE
+  scaling becomes a ``rope_freqs`` tensor of per-frequency factors, from which the
+  scaling's parameters are solved back (``llama3_rope_from_factors``);
+- Apertus's xIELU parameters become per-layer metadata arrays (``xielu.*``);
+- what a file cannot say, llama.cpp fixes in its runtime, so it is fixed here alike:
+  Cohere 2's every 4th layer global, Llama 4's chunks of 8192 positions, every 4th layer
+  unrotated and its temperature tuning (floor 8192, scale 0.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import UserError
+
+NamePair = tuple[str, str]  # (llama.cpp template, Hugging Face template), as gguf_file.py's
+
+
+def layer_pairs(pairs: list[tuple[str, str]]) -> tuple[NamePair, ...]:
+    """``blk.N.{gguf}.weight|bias`` <-> ``model.layers.N.{hf}.weight|bias`` for each pair."""
+    return tuple((f"blk.{{layer}}.{g}.{{kind}}", f"model.layers.{{layer}}.{h}.{{kind}}") for g, h in pairs)
+
+
+HEAD = (
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.{kind}", "model.norm.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+)
+ATTENTION = [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+             ("attn_output", "self_attn.o_proj")]
+GATED_MLP = [("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]
+
+
+# -- GPT-NeoX (Pythia): LayerNorms with biases, a fused qkv, an ungated MLP --------------------
+
+GPTNEOX_NAMES = HEAD + layer_pairs([
+    ("attn_norm", "input_layernorm"), ("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.o_proj"),
+    ("ffn_norm", "post_attention_layernorm"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+])
+
+
+def gptneox_keys(get, base: dict, tensors: dict) -> dict:
+    """GPTNeoXModel writes no KV heads (there are as many as query heads), no RoPE base
+    (llama.cpp's default 10000), the rotated dims of a head and the residual's kind."""
+    return {
+        "num_key_value_heads": base["num_attention_heads"],
+        "rotary_pct": int(get("rope.dimension_count", base["head_dim"])) / base["head_dim"],
+        "use_parallel_residual": bool(get("use_parallel_residual", True)),
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "hidden_act": "gelu",
+    }
+
+
+# -- Cohere 2 (Command R7B): sliding layers that rotate, every pattern-th one global -----------
+
+COHERE2_NAMES = HEAD + layer_pairs([("attn_norm", "input_layernorm"), *ATTENTION, *GATED_MLP])
+
+
+def sliding_pattern(get, n_layers: int, default_period: int) -> list[bool]:
+    """Which layers slide: ``attention.sliding_window_pattern`` as a list per layer or a
+    period (every period-th layer global), else llama.cpp's default period."""
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return [bool(s) for s in pattern]
+    period = int(pattern or default_period)
+    return [(i + 1) % period != 0 for i in range(n_layers)]
+
+
+def cohere2_keys(get, base: dict, tensors: dict) -> dict:
+    """Cohere2Model writes the window and the logit scale; llama.cpp makes every 4th layer
+    global unless the file says otherwise."""
+    sliding = sliding_pattern(get, base["num_hidden_layers"], 4)
+    return {
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "logit_scale": float(get("logit_scale")),
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+    }
+
+
+# -- Llama 4: chunked attention, experts on every step-th layer beside a shared expert ---------
+
+LLAMA4_NAMES = HEAD + (("rope_freqs.weight", "rope_freqs.weight"),) + layer_pairs([
+    ("attn_norm", "input_layernorm"), *ATTENTION, ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate_inp", "feed_forward.router"),
+    ("ffn_gate_exps", "feed_forward.experts.gate_proj"), ("ffn_up_exps", "feed_forward.experts.up_proj"),
+    ("ffn_down_exps", "feed_forward.experts.down_proj"),
+    ("ffn_gate_shexp", "feed_forward.shared_expert.gate_proj"), ("ffn_up_shexp", "feed_forward.shared_expert.up_proj"),
+    ("ffn_down_shexp", "feed_forward.shared_expert.down_proj"),
+    ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"), ("ffn_down", "feed_forward.down_proj"),
+])
+# llama.cpp's llama4 runtime: fixed, no file says otherwise
+LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP, LLAMA4_FLOOR_SCALE, LLAMA4_ATTN_SCALE = 8192, 4, 8192, 0.1
+
+
+def llama4_keys(get, base: dict, tensors: dict) -> dict:
+    """Llama4Model writes the dense MLP's width as feed_forward_length, the experts' as
+    expert_feed_forward_length; a sliding window of 0 (MobileLLM) turns chunks, the
+    temperature tuning and the unrotated layers off (llama.cpp then leaves only the last
+    layer unrotated). The 128-expert model normalises no q, k."""
+    n_layers = base["num_hidden_layers"]
+    n_experts = int(get("expert_count"))
+    chunked = get("attention.sliding_window") != 0
+    no_rope_step = LLAMA4_NO_ROPE_STEP if chunked else n_layers
+    chunk_layers = sliding_pattern(get, n_layers, 4) if chunked else [False] * n_layers
+    keys = {
+        "intermediate_size": int(get("expert_feed_forward_length")),
+        "intermediate_size_mlp": base["intermediate_size"],
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "interleave_moe_layer_step": int(get("interleave_moe_layer_step")),
+        "no_rope_layers": [int((i + 1) % no_rope_step != 0) for i in range(n_layers)],
+        "attention_chunk_size": LLAMA4_CHUNK if chunked else None,
+        "layer_types": ["chunked_attention" if c else "full_attention" for c in chunk_layers],
+        "attn_temperature_tuning": chunked,
+        "floor_scale": LLAMA4_FLOOR_SCALE,
+        "attn_scale": LLAMA4_ATTN_SCALE,
+        "use_qk_norm": n_experts != 128,
+        "hidden_act": "silu",
+    }
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
+        keys["rope_scaling"] = llama3_rope_from_factors(factors, base["rope_theta"], base["head_dim"])
+    return keys
+
+
+def restore_llama4(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The RoPE factors are in the config now (llama4_keys): no tensor of the model."""
+    return {} if name == "rope_freqs.weight" else {name: data}
+
+
+# The original context the solved llama3 parameters are given in: any value gives the same
+# factors (only its ratios to the frequency factors count).
+LLAMA3_CONTEXT = 8192
+
+
+def llama3_rope_from_factors(factors: np.ndarray, base: float, head_dim: int) -> dict | None:
+    """Llama 3's RoPE scaling from llama.cpp's ``rope_freqs`` (one factor per rotated pair,
+    each frequency divided by its factor): 1 above the high-frequency bound, the scaling
+    factor below the low one, between them 1 / ((1 - s) / factor + s) with s linear in the
+    inverse wavelength x = freq / 2pi, s = (context x - low) / (high - low). The bounds
+    solved here give back the same factors; None when every factor is 1."""
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    x = base ** (-np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)  # (head_dim / 2,)
+    if len(factors) != len(x):
+        raise UserError(f"GGUF rope_freqs holds {len(factors)} factors, expected {len(x)} (half the head)")
+    s = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    between = (s > 1e-6) & (s < 1 - 1e-6)
+    x_low, x_high = llama3_bounds(x, s, between)
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": x_low * LLAMA3_CONTEXT,
+            "high_freq_factor": x_high * LLAMA3_CONTEXT, "original_max_position_embeddings": LLAMA3_CONTEXT}
+
+
+def llama3_bounds(x: np.ndarray, s: np.ndarray, between: np.ndarray) -> tuple[float, float]:
+    """The inverse wavelengths where s is 0 and 1: the line through the smoothed factors,
+    or, with fewer than two of them, bounds in the gaps around the unsmoothed ones."""
+    if between.sum() >= 2:
+        slope, intercept = np.polyfit(x[between], s[between], 1)  # s = slope x + intercept
+        return float(-intercept / slope), float((1 - intercept) / slope)
+    scaled_x = x[~between & (s < 0.5)]  # divided by the whole factor
+    plain_x = x[~between & (s >= 0.5)]
+    lowest = float(scaled_x.max()) if len(scaled_x) else 0.0
+    highest = float(plain_x.min()) if len(plain_x) else float(x.max()) * 2
+    if not between.any():
+        return lowest, highest
+    x_s, s_s = float(x[between][0]), float(s[between][0])
+    width = min((x_s - lowest) / s_s, (highest - x_s) / (1 - s_s))
+    return x_s - s_s * width, x_s - s_s * width + width
+
+
+def family(model_type: str, hf_architecture: str, names, config, restore=None, **more) -> dict:
+    return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config, restore=restore,
+                **more)
+
+
+FAMILY_ARCHITECTURES = {
+    "gptneox": family("gpt_neox", "GPTNeoXForCausalLM", GPTNEOX_NAMES, gptneox_keys),
+    "cohere2": family("cohere2", "Cohere2ForCausalLM", COHERE2_NAMES, cohere2_keys),
+    "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, restore_llama4),
+}

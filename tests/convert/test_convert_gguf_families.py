@@ -1,0 +1,209 @@
+"""llama.cpp's GGUF files of gptneox, cohere2, llama4 (mlx_tfm/convert/gguf_families.py):
+a tiny transformers model written as llama.cpp's converter (conversion/*.py) writes it,
+its TextModel.set_gguf_parameters keys, the family's own and its modify_tensors, names from
+gguf's own TensorNameMap, converts to transformers' logits. What a file cannot say
+(Cohere 2's period of global layers, Llama 4's chunk size and temperature floor) the
+transformers model is given as llama.cpp's runtime fixes it."""
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures.convert_helpers import greedy, hf_greedy, hf_logits, make_hf_model
+from fixtures.gguf_names import byte_tokens
+
+import mlx_tfm
+from mlx_tfm.convert.converter import convert
+from mlx_tfm.convert.gguf_families import llama3_rope_from_factors
+from mlx_tfm.loading import load_model
+
+IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
+QUIET = dict(log=lambda *_: None)
+
+
+def rope_parameters(config: dict) -> dict:
+    rope = config.get("rope_parameters") or {}
+    return rope.get("full_attention", rope)
+
+
+def text_model_hparams(writer, config: dict) -> None:
+    """TextModel.set_gguf_parameters: the keys every family's file starts from."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    if config.get("num_key_value_heads") is not None:
+        writer.add_head_count_kv(config["num_key_value_heads"])
+    rope = rope_parameters(config)
+    if rope.get("rope_theta") is not None:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    for key, add in (("rms_norm_eps", writer.add_layer_norm_rms_eps), ("layer_norm_eps", writer.add_layer_norm_eps)):
+        if config.get(key) is not None:
+            add(config[key])
+    for keys, add in ((("num_local_experts", "num_experts"), writer.add_expert_count),
+                      (("num_experts_per_tok",), writer.add_expert_used_count)):
+        value = next((config[k] for k in keys if config.get(k) is not None), None)
+        if value is not None:
+            add(value)
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+
+
+def gptneox_hparams(writer, config: dict) -> None:
+    """GPTNeoXModel.set_gguf_parameters (it writes no TextModel keys, no KV heads, no base)."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(int(rope_parameters(config)["partial_rotary_factor"] * head_dim))
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_parallel_residual(config.get("use_parallel_residual", True))
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+
+
+def cohere2_hparams(writer, config: dict) -> None:
+    import gguf
+
+    text_model_hparams(writer, config)
+    writer.add_logit_scale(config["logit_scale"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_vocab_size(config["vocab_size"])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)  # Cohere 2 rotates whole heads
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def llama_hparams(writer, config: dict) -> None:
+    """LlamaModel.set_gguf_parameters: the vocabulary size and the rotated dims."""
+    text_model_hparams(writer, config)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def llama4_hparams(writer, config: dict) -> None:
+    """Llama4Model: the dense MLP's width as the feed-forward length, the experts' apart."""
+    llama_hparams(writer, {**config, "intermediate_size": config["intermediate_size_mlp"]})
+    writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: the per-frequency factors of llama3 RoPE scaling."""
+    rope = rope_parameters(config)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / rope["low_freq_factor"], old_context / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_context / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def gptneox_tensors(name: str, w: np.ndarray, config: dict):
+    """GPTNeoXModel.modify_tensors: query_key_value's rows, (heads, 3, head_dim), regrouped
+    as all queries, all keys, all values."""
+    if ".attention.query_key_value." in name:
+        heads = config["num_attention_heads"]
+        grouped = w.reshape(heads, 3, -1, *w.shape[1:])  # (heads, 3, head_dim[, D])
+        w = np.concatenate([grouped[:, i].reshape(-1, *w.shape[1:]) for i in range(3)])
+    yield name, w
+
+
+def cohere2_tensors(name: str, w: np.ndarray, config: dict):
+    """Cohere2Model.modify_tensors: the (zero) biases are skipped."""
+    if name.endswith(".bias"):
+        assert not w.any(), name
+        return
+    yield name, w
+
+
+def llama4_tensors(name: str, w: np.ndarray, config: dict):
+    """Llama4Model.modify_tensors: gate_up_proj (experts, D, 2F) split into gate and up,
+    each transposed to (experts, F, D); down_proj (experts, F, D) transposed."""
+    if name.endswith("gate_up_proj"):
+        gate, up = np.split(np.swapaxes(w, -1, -2), 2, axis=-2)
+        yield name.replace("gate_up_proj", "gate_proj.weight"), gate
+        yield name.replace("gate_up_proj", "up_proj.weight"), up
+        return
+    if name.endswith("down_proj"):
+        yield name + ".weight", np.swapaxes(w, -1, -2)
+        return
+    yield name, w
+
+
+# llama.cpp architecture -> (hparams writer, modify_tensors, writes llama3 rope factors)
+CONVERTERS = {
+    "gptneox": (gptneox_hparams, gptneox_tensors, False),
+    "cohere2": (cohere2_hparams, cohere2_tensors, False),
+    "llama4": (llama4_hparams, llama4_tensors, True),
+}
+
+
+def write_family_gguf(hf_folder, path, arch_name: str) -> None:
+    import gguf
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    hparams, modify_tensors, rope_factors = CONVERTERS[arch_name]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    hparams(writer, config)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(byte_tokens())
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    for name, tensor in mx.load(str(hf_folder / "model.safetensors")).items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        for hf, w in modify_tensors(name, np.array(tensor, dtype=np.float32), config):
+            writer.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
+    if rope_factors and rope_parameters(config).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# (TINY_CONFIGS case, llama.cpp architecture, overrides: what llama.cpp's runtime fixes)
+CASES = {
+    "gpt_neox": ("gpt_neox", "gptneox", {}),
+    "gpt_neox_sequential": ("gpt_neox_sequential", "gptneox", {}),
+    # window 6 over 12 tokens; llama.cpp makes every 4th layer global (layer 3 here)
+    "cohere2": ("cohere2", "cohere2", {"sliding_window_pattern": 4, "layer_types": None}),
+    # llama.cpp's chunks of 8192, temperature floor 8192 and scale 0.1; every 4th layer
+    # unrotated and global, experts on layers 1 and 3 beside the dense MLP of 0 and 2
+    "llama4_text": ("llama4_text", "llama4", {"attention_chunk_size": 8192, "no_rope_layer_interval": 4,
+                                              "floor_scale": 8192, "attn_scale": 0.1}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_family_gguf_matches_transformers(name, tmp_path):
+    case, arch_name, overrides = CASES[name]
+    hf = make_hf_model(case, tmp_path / "hf", **overrides)
+    write_family_gguf(tmp_path / "hf", tmp_path / "model.gguf", arch_name)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == hf.config.model_type
+    model, _ = load_model(tmp_path / "out")
+    ours = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
+    model, _ = mlx_tfm.load(tmp_path / "out")
+    assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
