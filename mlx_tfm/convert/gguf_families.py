@@ -139,9 +139,18 @@ def llama4_keys(get, base: dict, tensors: dict) -> dict:
     return keys
 
 
-def restore_llama4(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
-    """The RoPE factors are in the config now (llama4_keys): no tensor of the model."""
+def drop_rope_freqs(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """llama.cpp's RoPE factors are in the config now (llama4_keys, gemma4_keys): no
+    tensor of the model."""
     return {} if name == "rope_freqs.weight" else {name: data}
+
+
+def restore_gemma4(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The RoPE factors dropped (gemma4_keys read them); layer_scalar without the .weight
+    the converter gave it."""
+    if name.endswith(".layer_scalar.weight"):
+        return {name.removesuffix(".weight"): data}
+    return drop_rope_freqs(name, data, config)
 
 
 # The original context the solved llama3 parameters are given in: any value gives the same
@@ -185,6 +194,80 @@ def llama3_bounds(x: np.ndarray, s: np.ndarray, between: np.ndarray) -> tuple[fl
     return x_s - s_s * width, x_s - s_s * width + width
 
 
+# -- Gemma 4: per-layer inputs, KV sharing, full layers with their own head size -----------------
+
+GEMMA4_NAMES = (
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("rope_freqs.weight", "rope_freqs.weight"),
+    ("per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"),
+    ("per_layer_model_proj.weight", "model.per_layer_model_projection.weight"),
+    ("per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight"),
+    # the converter adds the .weight the checkpoint's layer_scalar lacks (restore_gemma4 drops it)
+    ("blk.{layer}.layer_output_scale.weight", "model.layers.{layer}.layer_scalar.weight"),
+) + layer_pairs([
+    *ATTENTION, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"), *GATED_MLP,
+    ("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
+    ("inp_gate", "per_layer_input_gate"), ("proj", "per_layer_projection"), ("post_norm", "post_per_layer_input_norm"),
+])
+
+
+def per_layer_values(value, n_layers: int) -> list:
+    """A key written once or once per layer, as a list per layer."""
+    return list(value) if isinstance(value, list) else [value] * n_layers
+
+
+def gemma4_keys(get, base: dict, tensors: dict) -> dict:
+    """Gemma4Model writes the full layers' head size as key_length and the sliding ones'
+    as key_length_swa, the KV heads (and, with use_double_wide_mlp, the feed-forward width)
+    per layer, which layers slide as a list; keys serve as values where a full layer has
+    no attn_v. Its norms are stored as they are (no 1 + w)."""
+    n_layers = base["num_hidden_layers"]
+    if get("expert_count"):
+        raise UserError("GGUF gemma4 with experts (enable_moe_block) is not supported yet")
+    sliding = sliding_pattern(get, n_layers, 6)
+    kv_heads = per_layer_values(get("attention.head_count_kv"), n_layers)
+    widths = per_layer_values(get("feed_forward_length"), n_layers)
+    n_shared = int(get("attention.shared_kv_layers") or 0)
+    full = [i for i in range(n_layers - n_shared) if not sliding[i]]
+    k_eq_v = any(f"blk.{i}.attn_v.weight" not in tensors for i in full)
+    global_head_dim = int(get("attention.key_length"))
+    return {
+        "head_dim": int(get("attention.key_length_swa")),
+        "global_head_dim": global_head_dim,
+        "num_key_value_heads": int(next(h for h, s in zip(kv_heads, sliding) if s) if any(sliding) else kv_heads[0]),
+        "num_global_key_value_heads": int(kv_heads[full[0]]) if full and k_eq_v else None,
+        "attention_k_eq_v": k_eq_v,
+        "intermediate_size": int(min(widths)),
+        "use_double_wide_mlp": len(set(widths)) > 1,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "num_kv_shared_layers": n_shared,
+        "hidden_size_per_layer_input": int(get("embedding_length_per_layer_input") or 0),
+        "vocab_size_per_layer_input": int(tensors["per_layer_token_embd.weight"].shape[1])
+        if "per_layer_token_embd.weight" in tensors else base["vocab_size"],
+        "rope_parameters": gemma4_rope_parameters(get, tensors, global_head_dim),
+    }
+
+
+def gemma4_rope_parameters(get, tensors: dict, global_head_dim: int) -> dict:
+    """The full layers rotate "proportionally": llama.cpp's rope_freqs holds factor 1 for
+    the rotated pairs and 1e30 (no rotation) for the rest of the head."""
+    full = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1_000_000.0))}
+    if "rope_freqs.weight" in tensors:
+        rotated = int((np.asarray(tensors["rope_freqs.weight"].data) == 1.0).sum())
+        full.update(rope_type="proportional", partial_rotary_factor=2 * rotated / global_head_dim)
+    sliding = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10_000.0))}
+    return {"sliding_attention": sliding, "full_attention": full}
+
+
+
+
 def family(model_type: str, hf_architecture: str, names, config, restore=None, **more) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config, restore=restore,
                 **more)
@@ -193,5 +276,6 @@ def family(model_type: str, hf_architecture: str, names, config, restore=None, *
 FAMILY_ARCHITECTURES = {
     "gptneox": family("gpt_neox", "GPTNeoXForCausalLM", GPTNEOX_NAMES, gptneox_keys),
     "cohere2": family("cohere2", "Cohere2ForCausalLM", COHERE2_NAMES, cohere2_keys),
-    "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, restore_llama4),
+    "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, drop_rope_freqs),
+    "gemma4": family("gemma4_text", "Gemma4ForCausalLM", GEMMA4_NAMES, gemma4_keys, restore_gemma4),
 }

@@ -402,12 +402,14 @@ def llama_base(get) -> dict:
     """The config keys of llama-shaped metadata (every family but the hybrids)."""
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    # written per layer by some (Gemma 4): the largest here, the family's keys say per layer
+    largest = lambda value: max(value) if isinstance(value, list) else value  # noqa: E731
     return {
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(largest(get("feed_forward_length"))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(largest(get("attention.head_count_kv", n_heads))),
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),

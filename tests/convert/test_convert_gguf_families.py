@@ -144,11 +144,72 @@ def llama4_tensors(name: str, w: np.ndarray, config: dict):
     yield name, w
 
 
+def gemma4_full_layer_shape(config: dict) -> tuple[int, int | None]:
+    """Gemma4Model's head size and KV heads of the full layers: global_head_dim /
+    num_global_key_value_heads, else the first full layer's per_layer_config."""
+    head_dim, kv_heads = config.get("global_head_dim"), config.get("num_global_key_value_heads")
+    for layer, overrides in (config.get("per_layer_config") or {}).items():
+        if config["layer_types"][int(layer)] == "full_attention":
+            head_dim = head_dim or overrides.get("head_dim")
+            kv_heads = kv_heads or overrides.get("num_key_value_heads")
+    return head_dim, kv_heads
+
+
+def gemma4_hparams(writer, config: dict) -> None:
+    """Gemma3Model.set_gguf_parameters, then Gemma4Model's: the head sizes of both layer
+    kinds, which layers slide, KV sharing, per-layer inputs, the widths per layer."""
+    text_model_hparams(writer, {**config, "head_dim": None})  # key lengths written below
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_shared_kv_layers(config["num_kv_shared_layers"])
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    sliding = [t == "sliding_attention" for t in config["layer_types"]]
+    writer.add_sliding_window_pattern(sliding)
+    head_dim_full, kv_heads_full = gemma4_full_layer_shape(config)
+    for add in (writer.add_key_length, writer.add_value_length):
+        add(head_dim_full)
+    for add in (writer.add_key_length_swa, writer.add_value_length_swa):
+        add(config["head_dim"])
+    writer.add_rope_dimension_count(head_dim_full)
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+    gemma4_per_layer_hparams(writer, config)  # overwriting TextModel's single values
+
+
+def gemma4_per_layer_hparams(writer, config: dict) -> None:
+    """What Gemma4Model writes per layer (as the converter, overwriting TextModel's keys)."""
+    n_layers, n_shared = config["num_hidden_layers"], config["num_kv_shared_layers"]
+    if config.get("use_double_wide_mlp"):
+        ff = config["intermediate_size"]
+        writer.add_feed_forward_length([ff if i < n_layers - n_shared else 2 * ff for i in range(n_layers)])
+    _, kv_heads_full = gemma4_full_layer_shape(config)
+    if kv_heads_full is not None:
+        kv = config["num_key_value_heads"]
+        writer.add_head_count_kv([kv if t == "sliding_attention" else kv_heads_full for t in config["layer_types"]])
+
+
+def gemma4_tensors(name: str, w: np.ndarray, config: dict):
+    """Gemma4Model.filter_tensors: layer_scalar gains a .weight (its norms keep their w)."""
+    yield (name + ".weight" if name.endswith("layer_scalar") else name), w
+
+
+def gemma4_rope_factors(config: dict) -> np.ndarray:
+    """Gemma4Model.generate_extra_tensors: 1 for the full layers' rotated pairs, 1e30 for
+    the rest ("proportional" RoPE)."""
+    head_dim, _ = gemma4_full_layer_shape(config)
+    rotated = int(head_dim * config["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    return np.array([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=np.float32)
+
+
 # llama.cpp architecture -> (hparams writer, modify_tensors, writes llama3 rope factors)
 CONVERTERS = {
     "gptneox": (gptneox_hparams, gptneox_tensors, False),
     "cohere2": (cohere2_hparams, cohere2_tensors, False),
     "llama4": (llama4_hparams, llama4_tensors, True),
+    "gemma4": (gemma4_hparams, gemma4_tensors, False),
 }
 
 
@@ -175,6 +236,8 @@ def write_family_gguf(hf_folder, path, arch_name: str) -> None:
             writer.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
     if rope_factors and rope_parameters(config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    if arch_name == "gemma4":
+        writer.add_tensor("rope_freqs.weight", gemma4_rope_factors(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,6 +254,11 @@ CASES = {
     # unrotated and global, experts on layers 1 and 3 beside the dense MLP of 0 and 2
     "llama4_text": ("llama4_text", "llama4", {"attention_chunk_size": 8192, "no_rope_layer_interval": 4,
                                               "floor_scale": 8192, "attn_scale": 0.1}),
+    # per-layer inputs, the last two layers sharing keys and values, full layers with a
+    # head twice as large rotating 1/4 of it, window 6
+    "gemma4_text": ("gemma4_text", "gemma4", {}),
+    # keys as values with one KV head on the full layers, double-wide FFN on shared layers
+    "gemma4_text_k_eq_v": ("gemma4_text_k_eq_v", "gemma4", {}),
 }
 
 
