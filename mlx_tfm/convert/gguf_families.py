@@ -133,10 +133,15 @@ def llama4_keys(get, base: dict, tensors: dict) -> dict:
         "use_qk_norm": n_experts != 128,
         "hidden_act": "silu",
     }
-    if "rope_freqs.weight" in tensors:
-        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
-        keys["rope_scaling"] = llama3_rope_from_factors(factors, base["rope_theta"], base["head_dim"])
-    return keys
+    return {**keys, **llama3_scaling_keys(base, tensors)}
+
+
+def llama3_scaling_keys(base: dict, tensors: dict) -> dict:
+    """LlamaModel's converters (Llama 4, Apertus) write llama3 RoPE scaling as rope_freqs."""
+    if "rope_freqs.weight" not in tensors:
+        return {}
+    factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
+    return {"rope_scaling": llama3_rope_from_factors(factors, base["rope_theta"], base["head_dim"])}
 
 
 def drop_rope_freqs(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
@@ -268,6 +273,39 @@ def gemma4_rope_parameters(get, tensors: dict, global_head_dim: int) -> dict:
 
 
 
+# -- Apertus: q/k norms, an ungated MLP with the learned xIELU activation ----------------------
+
+APERTUS_NAMES = HEAD + (("rope_freqs.weight", "rope_freqs.weight"),) + layer_pairs([
+    ("attn_norm", "attention_layernorm"), *ATTENTION, ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "feedforward_layernorm"), ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+])
+XIELU_PARAMETERS = ("alpha_p", "alpha_n", "beta", "eps")
+
+
+def apertus_keys(get, base: dict, tensors: dict) -> dict:
+    """ApertusModel is a LlamaModel that keeps q/k rows as they are (Apertus rotates halves,
+    as llama.cpp's apertus) and writes llama3 RoPE scaling as rope_freqs."""
+    return {"hidden_act": "xielu", "mlp_bias": "blk.0.ffn_up.bias" in tensors, **llama3_scaling_keys(base, tensors)}
+
+
+def apertus_xielu(meta: dict, config: dict) -> dict:
+    """ApertusModel writes each layer's xIELU parameters as metadata lists ``xielu.*``,
+    the raw parameters (before softplus) as the checkpoint holds them: the tensors again,
+    alpha_p / alpha_n (1,) and beta / eps scalars."""
+    import mlx.core as mx
+
+    weights = {}
+    for parameter in XIELU_PARAMETERS:
+        values = meta.get(f"xielu.{parameter}")
+        if not isinstance(values, list) or len(values) != config["num_hidden_layers"]:
+            raise UserError(f"GGUF apertus metadata lacks xielu.{parameter} (one value per layer)")
+        for layer, value in enumerate(values):
+            shape = (1,) if parameter.startswith("alpha") else ()
+            weights[f"model.layers.{layer}.mlp.act_fn.{parameter}"] = mx.full(shape, float(value), mx.float32)
+    return weights
+
+
 def family(model_type: str, hf_architecture: str, names, config, restore=None, **more) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config, restore=restore,
                 **more)
@@ -277,5 +315,7 @@ FAMILY_ARCHITECTURES = {
     "gptneox": family("gpt_neox", "GPTNeoXForCausalLM", GPTNEOX_NAMES, gptneox_keys),
     "cohere2": family("cohere2", "Cohere2ForCausalLM", COHERE2_NAMES, cohere2_keys),
     "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, drop_rope_freqs),
+    "apertus": family("apertus", "ApertusForCausalLM", APERTUS_NAMES, apertus_keys, drop_rope_freqs,
+                      metadata_tensors=apertus_xielu),
     "gemma4": family("gemma4_text", "Gemma4ForCausalLM", GEMMA4_NAMES, gemma4_keys, restore_gemma4),
 }

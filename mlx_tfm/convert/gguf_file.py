@@ -303,6 +303,56 @@ def hunyuan_dense_keys(get, base: dict, tensors: dict) -> dict:
     return {"use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
+# -- Granite MoE (granitemoe, granitemoeshared) and ERNIE 4.5 MoE: experts as llama.cpp stacks
+# them, Granite's multipliers (granite_keys), ERNIE's dense leading layers
+GRANITEMOE_NAMES = LLAMA_NAMES + (
+    per_layer("ffn_gate_inp", "block_sparse_moe.router.layer"),
+    per_layer("ffn_gate_exps", "block_sparse_moe.switch_mlp.gate_proj"),
+    per_layer("ffn_up_exps", "block_sparse_moe.switch_mlp.up_proj"),
+    per_layer("ffn_down_exps", "block_sparse_moe.switch_mlp.down_proj"),
+    # the shared MLP as the converter splits its input_linear (in the names the family takes)
+    per_layer("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), per_layer("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    per_layer("ffn_down_shexp", "shared_mlp.output_linear"),
+)
+
+
+def granitemoe_keys(get, base: dict, tensors: dict) -> dict:
+    """GraniteMoeModel: a shared MLP (granitemoeshared) when the file gives its width."""
+    shared = get("expert_shared_feed_forward_length")
+    keys = {
+        **granite_keys(get, base, tensors),
+        "num_local_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+    }
+    if shared:
+        keys.update(model_type="granitemoeshared", architectures=["GraniteMoeSharedForCausalLM"],
+                    shared_intermediate_size=int(shared))
+    return keys
+
+
+ERNIE4_5_MOE_NAMES = LLAMA_NAMES + expert_names("mlp", QWEN_EXPERT_PROJECTIONS) + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+]) + (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.moe_statics.e_score_correction_bias"),)
+
+
+def ernie4_5_moe_keys(get, base: dict, tensors: dict) -> dict:
+    """Ernie4_5MoeModel writes the leading dense layers and the step between expert layers,
+    no last expert layer: llama.cpp's experts run to the last layer."""
+    first, step = int(get("leading_dense_block_count") or 0), int(get("interleave_moe_layer_step") or 1)
+    return {
+        **ernie4_5_keys(get, base, tensors),
+        "moe_num_experts": int(get("expert_count")),
+        "moe_k": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "moe_num_shared_experts": int(get("expert_shared_count") or 0),
+        "moe_layer_start_index": first,
+        "moe_layer_end_index": base["num_hidden_layers"] - 1,
+        "moe_layer_interval": step,
+        "first_k_dense_replace": first, "interleave_moe_layer_step": step,  # where check_experts looks
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -315,6 +365,8 @@ class GGUFArchitecture:
     # None: split_fused_qkv. Hybrids (gguf_hybrids.py) restore A_log, conv weights...
     restore: Callable | None = None
     standalone: bool = False  # config builds the whole family config: no llama-shaped base
+    # (metadata, config) -> {name: mx.array}: weights a converter wrote as metadata (Apertus's xIELU)
+    metadata_tensors: Callable | None = None
 
 
 GGUF_ARCHITECTURES = {
@@ -336,7 +388,10 @@ GGUF_ARCHITECTURES = {
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
-    # -- gptneox, cohere2, llama4, apertus, granitemoe, ernie4_5-moe (gguf_families.py) --
+    "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,
+                                   permuted_qk=True),
+    "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),
+    # -- gptneox, cohere2, llama4, gemma4, apertus (gguf_families.py) --
     **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
 }
 
@@ -567,7 +622,8 @@ def check_experts(tensors: dict, config: dict, path: Path) -> None:
     if not n_experts:
         return
     first, step = config.get("first_k_dense_replace") or 0, config.get("interleave_moe_layer_step") or 1
-    for layer in range(first + step - 1, config["num_hidden_layers"], step):  # dense ones first (Llama 4: between)
+    # dense layers first, and (Llama 4, ERNIE) between: experts where (layer + 1) % step == 0
+    for layer in [i for i in range(first, config["num_hidden_layers"]) if (i + 1) % step == 0]:
         for projection in ("ffn_gate", "ffn_up", "ffn_down"):
             check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
 
@@ -779,6 +835,8 @@ def read_gguf(path: Path) -> Source:
     config = hf_config(meta, tensors, arch)
     check_experts(tensors, config, path)
     weights, quantization = read_tensors(reader, config, arch)
+    if GGUF_ARCHITECTURES[arch].metadata_tensors is not None:
+        weights.update(GGUF_ARCHITECTURES[arch].metadata_tensors(meta, config))
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"

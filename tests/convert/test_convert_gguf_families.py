@@ -204,12 +204,42 @@ def gemma4_rope_factors(config: dict) -> np.ndarray:
     return np.array([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=np.float32)
 
 
-# llama.cpp architecture -> (hparams writer, modify_tensors, writes llama3 rope factors)
+def apertus_tensors(name: str, w: np.ndarray, config: dict):
+    """ApertusModel.modify_tensors: the xIELU parameters leave the tensors (apertus_extras)."""
+    if ".act_fn." not in name:
+        yield name, w
+
+
+def llama_extras(writer, config: dict, weights: dict) -> None:
+    """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
+    if rope_parameters(config).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+
+
+def apertus_extras(writer, config: dict, weights: dict) -> None:
+    """ApertusModel.modify_tensors: each layer's xIELU parameters as one metadata list each."""
+    llama_extras(writer, config, weights)
+    layers = range(config["num_hidden_layers"])
+    for parameter, add in (("alpha_n", writer.add_xielu_alpha_n), ("alpha_p", writer.add_xielu_alpha_p),
+                           ("beta", writer.add_xielu_beta), ("eps", writer.add_xielu_eps)):
+        add([float(weights[f"model.layers.{i}.mlp.act_fn.{parameter}"].reshape(-1)[0]) for i in layers])
+
+
+def gemma4_extras(writer, config: dict, weights: dict) -> None:
+    writer.add_tensor("rope_freqs.weight", gemma4_rope_factors(config))
+
+
+def no_extras(writer, config: dict, weights: dict) -> None:
+    pass
+
+
+# llama.cpp architecture -> (hparams writer, modify_tensors, extra tensors and keys)
 CONVERTERS = {
-    "gptneox": (gptneox_hparams, gptneox_tensors, False),
-    "cohere2": (cohere2_hparams, cohere2_tensors, False),
-    "llama4": (llama4_hparams, llama4_tensors, True),
-    "gemma4": (gemma4_hparams, gemma4_tensors, False),
+    "gptneox": (gptneox_hparams, gptneox_tensors, no_extras),
+    "cohere2": (cohere2_hparams, cohere2_tensors, no_extras),
+    "llama4": (llama4_hparams, llama4_tensors, llama_extras),
+    "gemma4": (gemma4_hparams, gemma4_tensors, gemma4_extras),
+    "apertus": (llama_hparams, apertus_tensors, apertus_extras),
 }
 
 
@@ -217,7 +247,7 @@ def write_family_gguf(hf_folder, path, arch_name: str) -> None:
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
-    hparams, modify_tensors, rope_factors = CONVERTERS[arch_name]
+    hparams, modify_tensors, extras = CONVERTERS[arch_name]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     writer = gguf.GGUFWriter(str(path), arch_name)
     hparams(writer, config)
@@ -229,15 +259,13 @@ def write_family_gguf(hf_folder, path, arch_name: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for name, tensor in mx.load(str(hf_folder / "model.safetensors")).items():
+    weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
+    for name, w in weights.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        for hf, w in modify_tensors(name, np.array(tensor, dtype=np.float32), config):
+        for hf, w in modify_tensors(name, w, config):
             writer.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
-    if rope_factors and rope_parameters(config).get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
-    if arch_name == "gemma4":
-        writer.add_tensor("rope_freqs.weight", gemma4_rope_factors(config))
+    extras(writer, config, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -259,6 +287,8 @@ CASES = {
     "gemma4_text": ("gemma4_text", "gemma4", {}),
     # keys as values with one KV head on the full layers, double-wide FFN on shared layers
     "gemma4_text_k_eq_v": ("gemma4_text_k_eq_v", "gemma4", {}),
+    # xIELU per layer, q/k norms, llama3 RoPE scaling (as rope_freqs)
+    "apertus": ("apertus", "apertus", {}),
 }
 
 
