@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import greedy, hf_greedy, hf_logits, make_hf_model
+from fixtures.convert_helpers import greedy, half_split_to_interleaved, hf_greedy, hf_logits, make_hf_model
 from fixtures.gguf_names import byte_tokens
 
 import mlx_tfm
@@ -210,6 +210,72 @@ def apertus_tensors(name: str, w: np.ndarray, config: dict):
         yield name, w
 
 
+def permuted_qk(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    """LlamaModel.permute: q/k rows into llama.cpp's interleaved-RoPE order."""
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+        w = half_split_to_interleaved(w, heads)
+    return w
+
+
+def granite_hparams(writer, config: dict) -> None:
+    """GraniteModel (no head_dim) and GraniteMoeModel: the multipliers, the shared MLP."""
+    llama_hparams(writer, {**config, "head_dim": None})
+    writer.add_attention_scale(config["attention_multiplier"])
+    writer.add_embedding_scale(config["embedding_multiplier"])
+    writer.add_residual_scale(config["residual_multiplier"])
+    writer.add_logit_scale(config["logits_scaling"])
+    if config.get("shared_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
+
+
+def granitemoe_tensors(name: str, w: np.ndarray, config: dict):
+    """GraniteMoeModel.modify_tensors: the experts' and the shared MLP's input_linear split
+    into gate and up rows; then LlamaModel's q/k permutation."""
+    for fused, gate, up, width in (("block_sparse_moe.input_linear", "ffn_gate_exps", "ffn_up_exps", "intermediate_size"),
+                                   ("shared_mlp.input_linear", "ffn_gate_shexp", "ffn_up_shexp",
+                                    "shared_intermediate_size")):
+        if name.endswith(f"{fused}.weight"):
+            layer = name.split(".")[2]
+            yield f"blk.{layer}.{gate}.weight", w[..., :config[width], :]
+            yield f"blk.{layer}.{up}.weight", w[..., config[width]:, :]
+            return
+    yield name, permuted_qk(name, w, config)
+
+
+def ernie4_5_moe_hparams(writer, config: dict) -> None:
+    """Ernie4_5MoeModel.set_gguf_parameters (its Ernie4_5Model base writes TextModel's)."""
+    text_model_hparams(writer, config)
+    writer.add_expert_count(config["moe_num_experts"])
+    writer.add_expert_used_count(config["moe_k"])
+    writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
+    writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["moe_num_shared_experts"])
+    writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
+
+
+def ernie4_5_moe_tensors(name: str, w: np.ndarray, config: dict):
+    """Ernie4_5MoeModel.modify_tensors stacks each layer's experts (ernie4_5_moe_extras);
+    ModelBase.filter_tensors names the choice bias a bias."""
+    if ".mlp.experts." not in name:
+        yield name.replace("e_score_correction_bias", "e_score_correction.bias"), w
+
+
+def ernie4_5_moe_extras(writer, config: dict, weights: dict) -> None:
+    """Each projection's experts stacked (experts, out, in) under the merged name."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.ERNIE4_5_MOE, config["num_hidden_layers"])
+    for layer in range(config["num_hidden_layers"]):
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            experts = [weights.get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
+                       for e in range(config["moe_num_experts"])]
+            if experts[0] is not None:
+                merged = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",))
+                writer.add_tensor(merged, np.stack(experts))
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -240,6 +306,8 @@ CONVERTERS = {
     "llama4": (llama4_hparams, llama4_tensors, llama_extras),
     "gemma4": (gemma4_hparams, gemma4_tensors, gemma4_extras),
     "apertus": (llama_hparams, apertus_tensors, apertus_extras),
+    "granitemoe": (granite_hparams, granitemoe_tensors, no_extras),
+    "ernie4_5-moe": (ernie4_5_moe_hparams, ernie4_5_moe_tensors, ernie4_5_moe_extras),
 }
 
 
@@ -264,7 +332,8 @@ def write_family_gguf(hf_folder, path, arch_name: str) -> None:
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         for hf, w in modify_tensors(name, w, config):
-            writer.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
+            llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            writer.add_tensor(llama_cpp, np.ascontiguousarray(w))
     extras(writer, config, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -289,6 +358,11 @@ CASES = {
     "gemma4_text_k_eq_v": ("gemma4_text_k_eq_v", "gemma4", {}),
     # xIELU per layer, q/k norms, llama3 RoPE scaling (as rope_freqs)
     "apertus": ("apertus", "apertus", {}),
+    # Granite's multipliers, 2 of 4 experts by their softmaxed logits (and beside a shared MLP)
+    "granitemoe": ("granitemoe", "granitemoe", {}),
+    "granitemoeshared": ("granitemoeshared", "granitemoe", {}),
+    # layer 0 dense; llama.cpp's experts run to the last layer (no end index in the file)
+    "ernie4_5_moe": ("ernie4_5_moe", "ernie4_5-moe", {"moe_layer_end_index": 2}),
 }
 
 
