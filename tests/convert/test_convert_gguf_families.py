@@ -17,6 +17,7 @@ from fixtures.gguf_names import byte_tokens
 import mlx_tfm
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.convert.gguf_families import llama3_rope_from_factors
+from mlx_tfm.errors import UserError
 from mlx_tfm.loading import load_model
 
 IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
@@ -379,3 +380,44 @@ def test_family_gguf_matches_transformers(name, tmp_path):
     np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
     model, _ = mlx_tfm.load(tmp_path / "out")
     assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
+
+
+def llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
+    return llama3_rope_factors({"rope_parameters": rope, "head_dim": head_dim})
+
+
+@pytest.mark.parametrize("rope", [
+    # several smoothed factors; one; none (the scaled and unscaled frequencies side by side)
+    {"rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 1.5,
+     "original_max_position_embeddings": 64},
+    {"rope_theta": 10000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0001,
+     "original_max_position_embeddings": 100},
+])
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_llama3_rope_solved_from_factors_gives_them_back(rope, head_dim):
+    """The parameters solved from llama.cpp's rope_freqs give the same factors, whether the
+    factors hold several smoothed values, one or none."""
+    factors = llama3_factors(rope, head_dim)
+    solved = llama3_rope_from_factors(factors.astype(np.float64), rope["rope_theta"], head_dim)
+    again = llama3_factors({**solved, "rope_theta": rope["rope_theta"]}, head_dim)
+    np.testing.assert_allclose(again, factors, rtol=1e-6)
+    assert solved["factor"] == pytest.approx(rope["factor"])
+
+
+def test_llama3_rope_of_unit_factors_is_none():
+    assert llama3_rope_from_factors(np.ones(8), 10000.0, 16) is None
+
+
+def test_apertus_gguf_without_xielu_metadata_is_one_line(tmp_path):
+    make_hf_model("apertus", tmp_path / "hf")
+    real = CONVERTERS["apertus"]
+    CONVERTERS["apertus"] = (real[0], real[1], llama_extras)  # the xIELU lists left out
+    try:
+        write_family_gguf(tmp_path / "hf", tmp_path / "model.gguf", "apertus")
+    finally:
+        CONVERTERS["apertus"] = real
+    with pytest.raises(UserError, match=r"GGUF apertus metadata lacks xielu\.alpha_p \(one value per layer\)") as error:
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert "\n" not in str(error.value)
