@@ -353,6 +353,28 @@ def ernie4_5_moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- Gemma and Gemma 2: norms stored as 1 + w (norm_shift), GELU (tanh), base 10000 unwritten
+def gemma_keys(get, base: dict, tensors: dict) -> dict:
+    return {"hidden_activation": "gelu_pytorch_tanh"}
+
+
+def gemma2_keys(get, base: dict, tensors: dict) -> dict:
+    """llama.cpp's Gemma 2: even layers slide (window 4096 unless written), scores scaled by
+    1/sqrt(head_dim) (27B, 46 layers: 1/sqrt(hidden / heads)), both soft caps."""
+    n_layers = base["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    sliding = pattern if isinstance(pattern, list) else [i % (pattern or 2) < (pattern or 2) - 1 for i in range(n_layers)]
+    scalar = base["hidden_size"] // base["num_attention_heads"] if n_layers == 46 else base["head_dim"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(get("attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -388,6 +410,8 @@ GGUF_ARCHITECTURES = {
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
+    "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
+    "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,
                                    permuted_qk=True),
     "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),

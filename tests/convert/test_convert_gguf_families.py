@@ -277,6 +277,29 @@ def ernie4_5_moe_extras(writer, config: dict, weights: dict) -> None:
                 writer.add_tensor(merged, np.stack(experts))
 
 
+def gemma_hparams(writer, config: dict) -> None:
+    """GemmaModel / Gemma2Model.set_gguf_parameters: no RoPE base (llama.cpp's 10000)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    if config["model_type"] == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+
+
+def gemma_tensors(name: str, w: np.ndarray, config: dict):
+    """GemmaModel / Gemma2Model: the (tied) head left out, every norm stored as 1 + w."""
+    if name != "lm_head.weight":
+        yield name, w + 1 if name.endswith("norm.weight") else w
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -308,6 +331,8 @@ CONVERTERS = {
     "gemma4": (gemma4_hparams, gemma4_tensors, gemma4_extras),
     "apertus": (llama_hparams, apertus_tensors, apertus_extras),
     "granitemoe": (granite_hparams, granitemoe_tensors, no_extras),
+    "gemma": (gemma_hparams, gemma_tensors, no_extras),
+    "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, ernie4_5_moe_tensors, ernie4_5_moe_extras),
 }
 
@@ -364,6 +389,9 @@ CASES = {
     "granitemoeshared": ("granitemoeshared", "granitemoe", {}),
     # layer 0 dense; llama.cpp's experts run to the last layer (no end index in the file)
     "ernie4_5_moe": ("ernie4_5_moe", "ernie4_5-moe", {"moe_layer_end_index": 2}),
+    "gemma": ("gemma", "gemma", {}),
+    # llama.cpp scales scores by 1/sqrt(head_dim) (query_pre_attn_scalar is no key); window 6
+    "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}),
 }
 
 
