@@ -375,6 +375,25 @@ def gemma2_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- Qwen2-MoE: qwen3moe's experts beside a shared expert behind its own sigmoid gate
+QWEN2MOE_NAMES = QWEN3MOE_NAMES + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_expert.down_proj"), ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
+])
+
+
+def qwen2moe_keys(get, base: dict, tensors: dict) -> dict:
+    """Qwen2MoeModel: every layer a mixture; llama.cpp's qwen2moe renormalises no weights."""
+    return {
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length") or 0),
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -410,6 +429,7 @@ GGUF_ARCHITECTURES = {
                                  norm_shift=1.0),
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
+    "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_NAMES, qwen2moe_keys),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,

@@ -256,25 +256,36 @@ def ernie4_5_moe_hparams(writer, config: dict) -> None:
     writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
 
 
-def ernie4_5_moe_tensors(name: str, w: np.ndarray, config: dict):
-    """Ernie4_5MoeModel.modify_tensors stacks each layer's experts (ernie4_5_moe_extras);
-    ModelBase.filter_tensors names the choice bias a bias."""
+def experts_apart_tensors(name: str, w: np.ndarray, config: dict):
+    """Ernie4_5MoeModel / Qwen2MoeModel.modify_tensors stack each layer's experts
+    (stacked_experts); ModelBase.filter_tensors names the choice bias a bias."""
     if ".mlp.experts." not in name:
         yield name.replace("e_score_correction_bias", "e_score_correction.bias"), w
 
 
-def ernie4_5_moe_extras(writer, config: dict, weights: dict) -> None:
+def stacked_experts(arch, n_experts_key: str):
     """Each projection's experts stacked (experts, out, in) under the merged name."""
-    import gguf
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.ERNIE4_5_MOE, config["num_hidden_layers"])
-    for layer in range(config["num_hidden_layers"]):
-        for projection in ("gate_proj", "up_proj", "down_proj"):
-            experts = [weights.get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
-                       for e in range(config["moe_num_experts"])]
-            if experts[0] is not None:
-                merged = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",))
-                writer.add_tensor(merged, np.stack(experts))
+    def extras(writer, config: dict, weights: dict) -> None:
+        import gguf
+
+        names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch), config["num_hidden_layers"])
+        for layer in range(config["num_hidden_layers"]):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                experts = [weights.get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
+                           for e in range(config[n_experts_key])]
+                if experts[0] is not None:
+                    merged = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight",
+                                            try_suffixes=(".weight",))
+                    writer.add_tensor(merged, np.stack(experts))
+
+    return extras
+
+
+def qwen2moe_hparams(writer, config: dict) -> None:
+    text_model_hparams(writer, config)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def gemma_hparams(writer, config: dict) -> None:
@@ -333,7 +344,8 @@ CONVERTERS = {
     "granitemoe": (granite_hparams, granitemoe_tensors, no_extras),
     "gemma": (gemma_hparams, gemma_tensors, no_extras),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
-    "ernie4_5-moe": (ernie4_5_moe_hparams, ernie4_5_moe_tensors, ernie4_5_moe_extras),
+    "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
+    "qwen2moe": (qwen2moe_hparams, experts_apart_tensors, stacked_experts("QWEN2MOE", "num_experts")),
 }
 
 
@@ -390,6 +402,8 @@ CASES = {
     # layer 0 dense; llama.cpp's experts run to the last layer (no end index in the file)
     "ernie4_5_moe": ("ernie4_5_moe", "ernie4_5-moe", {"moe_layer_end_index": 2}),
     "gemma": ("gemma", "gemma", {}),
+    # 2 of 4 experts, unnormalised, beside a gated shared expert
+    "qwen2_moe": ("qwen2_moe", "qwen2moe", {}),
     # llama.cpp scales scores by 1/sqrt(head_dim) (query_pre_attn_scalar is no key); window 6
     "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}),
 }
