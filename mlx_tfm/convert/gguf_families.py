@@ -93,6 +93,19 @@ def cohere2_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# Command R (cohere): Cohere's parallel block; the larger models' q/k LayerNorms per head are
+# read, and the family then names them as not supported
+COMMAND_R_NAMES = COHERE2_NAMES + layer_pairs([("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")])
+
+
+def command_r_keys(get, base: dict, tensors: dict) -> dict:
+    return {
+        "logit_scale": float(get("logit_scale") or 1.0),
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
 # -- Llama 4: chunked attention, experts on every step-th layer beside a shared expert ---------
 
 LLAMA4_NAMES = HEAD + (("rope_freqs.weight", "rope_freqs.weight"),) + layer_pairs([
@@ -314,6 +327,7 @@ def family(model_type: str, hf_architecture: str, names, config, restore=None, *
 FAMILY_ARCHITECTURES = {
     "gptneox": family("gpt_neox", "GPTNeoXForCausalLM", GPTNEOX_NAMES, gptneox_keys),
     "cohere2": family("cohere2", "Cohere2ForCausalLM", COHERE2_NAMES, cohere2_keys),
+    "command-r": family("cohere", "CohereForCausalLM", COMMAND_R_NAMES, command_r_keys),
     "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, drop_rope_freqs),
     "apertus": family("apertus", "ApertusForCausalLM", APERTUS_NAMES, apertus_keys, drop_rope_freqs,
                       metadata_tensors=apertus_xielu),

@@ -394,6 +394,17 @@ def qwen2moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# -- OLMoE: qwen3moe's experts with q/k norms over all heads; Arcee: an ungated ReLU² MLP
+def olmoe_keys(get, base: dict, tensors: dict) -> dict:
+    """OlmoeModel: every layer a mixture, the chosen weights not renormalised."""
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "norm_topk_prob": False}
+
+
+def arcee_keys(get, base: dict, tensors: dict) -> dict:
+    return {"hidden_act": "relu2"}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -430,6 +441,8 @@ GGUF_ARCHITECTURES = {
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_NAMES, qwen2moe_keys),
+    "olmoe": GGUFArchitecture("olmoe", "OlmoeForCausalLM", QWEN3MOE_NAMES, olmoe_keys),
+    "arcee": GGUFArchitecture("arcee", "ArceeForCausalLM", UNGATED_PRE_NORM_NAMES, arcee_keys, permuted_qk=True),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,

@@ -311,6 +311,23 @@ def gemma_tensors(name: str, w: np.ndarray, config: dict):
         yield name, w + 1 if name.endswith("norm.weight") else w
 
 
+def command_r_hparams(writer, config: dict) -> None:
+    """CommandR2Model: the logit scale, no RoPE scaling."""
+    text_model_hparams(writer, config)
+    writer.add_logit_scale(config["logit_scale"])
+
+
+def olmoe_hparams(writer, config: dict) -> None:
+    """OlmoeModel: TextModel's keys, the RMS eps overwritten with 1e-5."""
+    text_model_hparams(writer, config)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+
+def arcee_tensors(name: str, w: np.ndarray, config: dict):
+    """ArceeModel is a LlamaModel: q/k rows permuted."""
+    yield name, permuted_qk(name, w, config)
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -343,6 +360,9 @@ CONVERTERS = {
     "apertus": (llama_hparams, apertus_tensors, apertus_extras),
     "granitemoe": (granite_hparams, granitemoe_tensors, no_extras),
     "gemma": (gemma_hparams, gemma_tensors, no_extras),
+    "command-r": (command_r_hparams, cohere2_tensors, no_extras),
+    "olmoe": (olmoe_hparams, experts_apart_tensors, stacked_experts("OLMOE", "num_experts")),
+    "arcee": (llama_hparams, arcee_tensors, llama_extras),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
     "qwen2moe": (qwen2moe_hparams, experts_apart_tensors, stacked_experts("QWEN2MOE", "num_experts")),
@@ -404,6 +424,9 @@ CASES = {
     "gemma": ("gemma", "gemma", {}),
     # 2 of 4 experts, unnormalised, beside a gated shared expert
     "qwen2_moe": ("qwen2_moe", "qwen2moe", {}),
+    "cohere": ("cohere", "command-r", {}),
+    "olmoe": ("olmoe", "olmoe", {}),
+    "arcee": ("arcee", "arcee", {}),
     # llama.cpp scales scores by 1/sqrt(head_dim) (query_pre_attn_scalar is no key); window 6
     "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}),
 }
