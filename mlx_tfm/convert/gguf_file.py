@@ -405,6 +405,20 @@ def arcee_keys(get, base: dict, tensors: dict) -> dict:
     return {"hidden_act": "relu2"}
 
 
+# -- Phi-3: fused qkv and gate_up kept fused (the family splits them), Phi-4's window 0 = none
+PHI3_NAMES = EMBEDDING_AND_HEAD + PRE_NORMS + (per_layer("ffn_up", "mlp.gate_up_proj"),) + ATTENTION + GATED_MLP
+
+
+def phi3_keys(get, base: dict, tensors: dict) -> dict:
+    rotary = get("rope.dimension_count", base["head_dim"])
+    window = get("attention.sliding_window")
+    return {"partial_rotary_factor": int(rotary) / base["head_dim"], "sliding_window": int(window) if window else None}
+
+
+def keep_fused(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    return {name: data}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -443,6 +457,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_NAMES, qwen2moe_keys),
     "olmoe": GGUFArchitecture("olmoe", "OlmoeForCausalLM", QWEN3MOE_NAMES, olmoe_keys),
     "arcee": GGUFArchitecture("arcee", "ArceeForCausalLM", UNGATED_PRE_NORM_NAMES, arcee_keys, permuted_qk=True),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_NAMES, phi3_keys, restore=keep_fused),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,

@@ -328,6 +328,28 @@ def arcee_tensors(name: str, w: np.ndarray, config: dict):
     yield name, permuted_qk(name, w, config)
 
 
+def phi3_hparams(writer, config: dict) -> None:
+    """Phi3MiniModel.set_gguf_parameters: the rotated dims, a sliding window of 0 for none."""
+    n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
+    rope = rope_parameters(config)
+    writer.add_context_length(config["max_position_embeddings"])
+    if rope.get("original_max_position_embeddings"):
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+
+
+def unchanged_tensors(name: str, w: np.ndarray, config: dict):
+    yield name, w
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -363,6 +385,7 @@ CONVERTERS = {
     "command-r": (command_r_hparams, cohere2_tensors, no_extras),
     "olmoe": (olmoe_hparams, experts_apart_tensors, stacked_experts("OLMOE", "num_experts")),
     "arcee": (llama_hparams, arcee_tensors, llama_extras),
+    "phi3": (phi3_hparams, unchanged_tensors, no_extras),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
     "qwen2moe": (qwen2moe_hparams, experts_apart_tensors, stacked_experts("QWEN2MOE", "num_experts")),
@@ -427,6 +450,7 @@ CASES = {
     "cohere": ("cohere", "command-r", {}),
     "olmoe": ("olmoe", "olmoe", {}),
     "arcee": ("arcee", "arcee", {}),
+    "phi3": ("phi3", "phi3", {}),
     # llama.cpp scales scores by 1/sqrt(head_dim) (query_pre_attn_scalar is no key); window 6
     "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}),
 }
