@@ -319,6 +319,34 @@ def apertus_xielu(meta: dict, config: dict) -> dict:
     return weights
 
 
+# -- Seed-OSS (biases as the tensors say) and EXAONE 4 (norms after each sublayer, LLLG windows)
+
+# llama.cpp names Seed-OSS's norm before the MLP (post_attention_layernorm) post_attention_norm
+SEED_OSS_NAMES = HEAD + layer_pairs([*ATTENTION, ("attn_norm", "input_layernorm"),
+                                     ("post_attention_norm", "post_attention_layernorm"), *GATED_MLP])
+
+
+def seed_oss_keys(get, base: dict, tensors: dict) -> dict:
+    return {"attention_bias": "blk.0.attn_q.bias" in tensors, "attention_out_bias": "blk.0.attn_output.bias" in tensors}
+
+
+EXAONE4_NAMES = HEAD + (("rope_freqs.weight", "rope_freqs.weight"),) + layer_pairs([
+    *ATTENTION, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"), *GATED_MLP,
+    ("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
+])
+
+
+def exaone4_keys(get, base: dict, tensors: dict) -> dict:
+    """Exaone4Model writes which layers slide as a list (only with a window); llama3 RoPE
+    scaling as rope_freqs."""
+    window = get("attention.sliding_window")
+    keys = {"sliding_window": int(window) if window else None, **llama3_scaling_keys(base, tensors)}
+    if window:
+        sliding = sliding_pattern(get, base["num_hidden_layers"], 4)
+        keys["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return keys
+
+
 def family(model_type: str, hf_architecture: str, names, config, restore=None, **more) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config, restore=restore,
                 **more)
@@ -331,5 +359,7 @@ FAMILY_ARCHITECTURES = {
     "llama4": family("llama4_text", "Llama4ForCausalLM", LLAMA4_NAMES, llama4_keys, drop_rope_freqs),
     "apertus": family("apertus", "ApertusForCausalLM", APERTUS_NAMES, apertus_keys, drop_rope_freqs,
                       metadata_tensors=apertus_xielu),
+    "seed_oss": family("seed_oss", "SeedOssForCausalLM", SEED_OSS_NAMES, seed_oss_keys),
+    "exaone4": family("exaone4", "Exaone4ForCausalLM", EXAONE4_NAMES, exaone4_keys, drop_rope_freqs),
     "gemma4": family("gemma4_text", "Gemma4ForCausalLM", GEMMA4_NAMES, gemma4_keys, restore_gemma4),
 }

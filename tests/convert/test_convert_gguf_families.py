@@ -350,6 +350,15 @@ def unchanged_tensors(name: str, w: np.ndarray, config: dict):
     yield name, w
 
 
+def exaone4_hparams(writer, config: dict) -> None:
+    """Exaone4Model: the window and, with it, which layers slide (an LLLG pattern or period)."""
+    text_model_hparams(writer, config)
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -386,6 +395,8 @@ CONVERTERS = {
     "olmoe": (olmoe_hparams, experts_apart_tensors, stacked_experts("OLMOE", "num_experts")),
     "arcee": (llama_hparams, arcee_tensors, llama_extras),
     "phi3": (phi3_hparams, unchanged_tensors, no_extras),
+    "seed_oss": (text_model_hparams, unchanged_tensors, no_extras),
+    "exaone4": (exaone4_hparams, unchanged_tensors, llama_extras),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
     "qwen2moe": (qwen2moe_hparams, experts_apart_tensors, stacked_experts("QWEN2MOE", "num_experts")),
@@ -451,6 +462,10 @@ CASES = {
     "olmoe": ("olmoe", "olmoe", {}),
     "arcee": ("arcee", "arcee", {}),
     "phi3": ("phi3", "phi3", {}),
+    "seed_oss": ("seed_oss", "seed_oss", {}),
+    # window 6 on layers 0 and 2 (which rotate), layers 1 and 3 global without positions
+    # (eos moved: this model's greedy pick is token 2, which generate() with min_new_tokens suppresses)
+    "exaone4": ("exaone4", "exaone4", {"eos_token_id": 255}),
     # llama.cpp scales scores by 1/sqrt(head_dim) (query_pre_attn_scalar is no key); window 6
     "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}),
 }
