@@ -22,6 +22,7 @@ converter did to a tensor:
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -363,3 +364,39 @@ FAMILY_ARCHITECTURES = {
     "exaone4": family("exaone4", "Exaone4ForCausalLM", EXAONE4_NAMES, exaone4_keys, drop_rope_freqs),
     "gemma4": family("gemma4_text", "Gemma4ForCausalLM", GEMMA4_NAMES, gemma4_keys, restore_gemma4),
 }
+
+
+def gemma4_tokenizer(meta: dict) -> dict[str, bytes]:
+    """Gemma 4's vocabulary (tokenizer model ``gemma4``: SentencePiece-style BPE, merges over
+    raw UTF-8 with spaces as "▁", bytes as <0xNN> pieces) -> tokenizer.json, split as
+    llama.cpp splits it: at runs of newlines only."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab={piece: i for i, piece in enumerate(tokens)}, merges=merges, byte_fallback=True,
+                     fuse_unk=True, unk_token=tokens[int(unk_id)] if unk_id is not None else None)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # control tokens (type 3) are special; user-defined ones (type 4) are matched whole
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == 3])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, k in enumerate(types) if k == 4])
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
+    if add_bos:
+        bos = tokens[int(bos_id)]
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, int(bos_id))])
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[int(bos_id)] if bos_id is not None else None,
+        "eos_token": tokens[int(eos_id)] if eos_id is not None else None,
+        "add_bos_token": add_bos,
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in meta:
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+    return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2).encode()}

@@ -42,7 +42,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
-from .gguf_families import FAMILY_ARCHITECTURES
+from .gguf_families import FAMILY_ARCHITECTURES, gemma4_tokenizer
 from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -890,7 +890,9 @@ def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
         return sentencepiece_tokenizer(meta)
     if model == "gpt2":
         return byte_level_bpe_tokenizer(meta, path)
-    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2)")
+    if model == "gemma4":
+        return gemma4_tokenizer(meta)
+    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4)")
 
 
 def read_gguf(path: Path) -> Source:

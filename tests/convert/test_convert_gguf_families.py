@@ -403,14 +403,7 @@ CONVERTERS = {
 }
 
 
-def write_family_gguf(hf_folder, path, arch_name: str) -> None:
-    import gguf
-
-    config = json.loads((hf_folder / "config.json").read_text())
-    hparams, modify_tensors, extras = CONVERTERS[arch_name]
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    writer = gguf.GGUFWriter(str(path), arch_name)
-    hparams(writer, config)
+def byte_vocab(writer) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(byte_tokens())
@@ -418,6 +411,17 @@ def write_family_gguf(hf_folder, path, arch_name: str) -> None:
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+def write_family_gguf(hf_folder, path, arch_name: str, add_tokenizer=byte_vocab) -> None:
+    import gguf
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    hparams, modify_tensors, extras = CONVERTERS[arch_name]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    hparams(writer, config)
+    add_tokenizer(writer)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
     for name, w in weights.items():
@@ -525,3 +529,66 @@ def test_apertus_gguf_without_xielu_metadata_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"GGUF apertus metadata lacks xielu\.alpha_p \(one value per layer\)") as error:
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
     assert "\n" not in str(error.value)
+
+
+# -- Gemma 4's vocabulary (tokenizer model "gemma4") ----------------------------------------
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # ids 0-4, as Gemma's
+
+
+def gemma4_style_bpe(lines: list[str]) -> tuple[dict, list[str]]:
+    """A SentencePiece-style BPE trained here as Gemma 4's is shaped: spaces as "▁", merges
+    within newline-free runs, every byte as a <0xNN> piece for byte fallback."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=GEMMA_SPECIALS, show_progress=False)
+    tokenizer.train_from_iterator(["\n".join(lines[i:i + 4]) for i in range(0, len(lines), 4)], trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    return vocab, merges
+
+
+def gemma4_vocab_writer(vocab: dict, merges: list[str]):
+    """Gemma4Model.set_vocab: LlamaHfVocab's pieces and types, the merges, no space prefix."""
+    def add_tokenizer(writer):
+        tokens = sorted(vocab, key=vocab.get)
+        kinds = [3 if t in GEMMA_SPECIALS and t != "<unk>" else 2 if t == "<unk>" else
+                 6 if t.startswith("<0x") and len(t) == 6 else 1 for t in tokens]
+        writer.add_tokenizer_model("gemma4")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types(kinds)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+        writer.add_add_bos_token(True)
+    return add_tokenizer
+
+
+def test_gemma4_vocabulary_tokenizes_as_gemmas_tokenizer(tmp_path):
+    """A Gemma 4 GGUF's tokenizer (model "gemma4") splits text as transformers' Gemma
+    tokenizer over the same pieces and merges: "▁" for spaces, bytes for what the pieces
+    lack (the emoji), the BOS token first."""
+    from conftest import data_path
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    lines = data_path("tinyshakespeare", "input.txt").read_text().splitlines()
+    vocab, merges = gemma4_style_bpe(lines[:4000])
+    make_hf_model("gemma4_text", tmp_path / "hf", vocab_size=len(vocab), vocab_size_per_layer_input=len(vocab))
+    write_family_gguf(tmp_path / "hf", tmp_path / "model.gguf", "gemma4", add_tokenizer=gemma4_vocab_writer(vocab, merges))
+    _, tokenizer = mlx_tfm.load(tmp_path / "model.gguf")
+    reference = GemmaTokenizer(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+    text = "\n".join(lines[5000:5030]) + "\n\n  Two  spaces, 12345 naïve 🦙 end.\n"
+    ours = tokenizer.encode(text, add_special_tokens=False)
+    assert ours == reference.encode(text, add_special_tokens=False)
+    assert tokenizer.encode("Hello", add_special_tokens=True)[0] == 2
+    assert tokenizer.decode(ours) == text
