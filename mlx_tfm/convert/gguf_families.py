@@ -165,9 +165,9 @@ def drop_rope_freqs(name: str, data: np.ndarray, config: dict) -> dict[str, np.n
 
 
 def restore_gemma4(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
-    """The RoPE factors dropped (gemma4_keys read them); layer_scalar without the .weight
-    the converter gave it."""
-    if name.endswith(".layer_scalar.weight"):
+    """The RoPE factors dropped (gemma4_keys read them); layer_scalar and the experts
+    without the .weight the converter gave them."""
+    if name.endswith((".layer_scalar.weight", ".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
         return {name.removesuffix(".weight"): data}
     return drop_rope_freqs(name, data, config)
 
@@ -225,7 +225,16 @@ GEMMA4_NAMES = (
     ("per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight"),
     # the converter adds the .weight the checkpoint's layer_scalar lacks (restore_gemma4 drops it)
     ("blk.{layer}.layer_output_scale.weight", "model.layers.{layer}.layer_scalar.weight"),
+    # the experts beside the dense FFN: gate and up fused (experts, 2F, D), as the checkpoint's
+    # (the .weight restore_gemma4 drops again), the router's scales under llama.cpp's names
+    ("blk.{layer}.ffn_gate_up_exps.weight", "model.layers.{layer}.experts.gate_up_proj.weight"),
+    ("blk.{layer}.ffn_down_exps.weight", "model.layers.{layer}.experts.down_proj.weight"),
+    ("blk.{layer}.ffn_gate_inp.weight", "model.layers.{layer}.router.proj.weight"),
+    ("blk.{layer}.ffn_gate_inp.scale", "model.layers.{layer}.router.scale"),
+    ("blk.{layer}.ffn_down_exps.scale", "model.layers.{layer}.router.per_expert_scale"),
 ) + layer_pairs([
+    ("pre_ffw_norm_2", "pre_feedforward_layernorm_2"), ("post_ffw_norm_1", "post_feedforward_layernorm_1"),
+    ("post_ffw_norm_2", "post_feedforward_layernorm_2"),
     *ATTENTION, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"), *GATED_MLP,
     ("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
     ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
@@ -244,8 +253,6 @@ def gemma4_keys(get, base: dict, tensors: dict) -> dict:
     per layer, which layers slide as a list; keys serve as values where a full layer has
     no attn_v. Its norms are stored as they are (no 1 + w)."""
     n_layers = base["num_hidden_layers"]
-    if get("expert_count"):
-        raise UserError("GGUF gemma4 with experts (enable_moe_block) is not supported yet")
     sliding = sliding_pattern(get, n_layers, 6)
     kv_heads = per_layer_values(get("attention.head_count_kv"), n_layers)
     widths = per_layer_values(get("feed_forward_length"), n_layers)
@@ -271,7 +278,16 @@ def gemma4_keys(get, base: dict, tensors: dict) -> dict:
         "vocab_size_per_layer_input": int(tensors["per_layer_token_embd.weight"].shape[1])
         if "per_layer_token_embd.weight" in tensors else base["vocab_size"],
         "rope_parameters": gemma4_rope_parameters(get, tensors, global_head_dim),
+        **gemma4_expert_keys(get),
     }
+
+
+def gemma4_expert_keys(get) -> dict:
+    """The routed experts beside every dense FFN, when the file has them."""
+    if not get("expert_count"):
+        return {}
+    return {"enable_moe_block": True, "num_experts": int(get("expert_count")),
+            "top_k_experts": int(get("expert_used_count")), "moe_intermediate_size": int(get("expert_feed_forward_length"))}
 
 
 def gemma4_rope_parameters(get, tensors: dict, global_head_dim: int) -> dict:

@@ -696,7 +696,8 @@ def check_experts(tensors: dict, config: dict, path: Path) -> None:
     first, step = config.get("first_k_dense_replace") or 0, config.get("interleave_moe_layer_step") or 1
     # dense layers first, and (Llama 4, ERNIE) between: experts where (layer + 1) % step == 0
     for layer in [i for i in range(first, config["num_hidden_layers"]) if (i + 1) % step == 0]:
-        for projection in ("ffn_gate", "ffn_up", "ffn_down"):
+        fused = f"blk.{layer}.ffn_gate_up_exps.weight" in tensors  # Gemma 4: gate and up in one
+        for projection in ("ffn_gate_up", "ffn_down") if fused else ("ffn_gate", "ffn_up", "ffn_down"):
             check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
 
 

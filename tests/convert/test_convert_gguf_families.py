@@ -45,7 +45,7 @@ def text_model_hparams(writer, config: dict) -> None:
         if config.get(key) is not None:
             add(config[key])
     for keys, add in ((("num_local_experts", "num_experts"), writer.add_expert_count),
-                      (("num_experts_per_tok",), writer.add_expert_used_count)):
+                      (("num_experts_per_tok", "top_k_experts"), writer.add_expert_used_count)):
         value = next((config[k] for k in keys if config.get(k) is not None), None)
         if value is not None:
             add(value)
@@ -177,6 +177,8 @@ def gemma4_hparams(writer, config: dict) -> None:
         add(config["head_dim"])
     writer.add_rope_dimension_count(head_dim_full)
     writer.add_rope_dimension_count_swa(config["head_dim"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     gemma4_per_layer_hparams(writer, config)  # overwriting TextModel's single values
 
 
@@ -193,8 +195,15 @@ def gemma4_per_layer_hparams(writer, config: dict) -> None:
 
 
 def gemma4_tensors(name: str, w: np.ndarray, config: dict):
-    """Gemma4Model.filter_tensors: layer_scalar gains a .weight (its norms keep their w)."""
-    yield (name + ".weight" if name.endswith("layer_scalar") else name), w
+    """Gemma4Model.filter_tensors: layer_scalar and the experts gain a .weight (its norms
+    keep their w); modify_tensors names the router's scales after ffn_gate_inp and ffn_down_exps."""
+    layer = name.split(".")[2] if ".layers." in name else None
+    if name.endswith("router.scale"):
+        yield f"blk.{layer}.ffn_gate_inp.scale", w
+    elif name.endswith("router.per_expert_scale"):
+        yield f"blk.{layer}.ffn_down_exps.scale", w
+    else:
+        yield (name + ".weight" if name.endswith(("layer_scalar", "gate_up_proj", "experts.down_proj")) else name), w
 
 
 def gemma4_rope_factors(config: dict) -> np.ndarray:
@@ -452,6 +461,8 @@ CASES = {
     "gemma4_text": ("gemma4_text", "gemma4", {}),
     # keys as values with one KV head on the full layers, double-wide FFN on shared layers
     "gemma4_text_k_eq_v": ("gemma4_text_k_eq_v", "gemma4", {}),
+    # routed experts beside each dense FFN (2 of 4), the router's scales
+    "gemma4_text_moe": ("gemma4_text_moe", "gemma4", {}),
     # xIELU per layer, q/k norms, llama3 RoPE scaling (as rope_freqs)
     "apertus": ("apertus", "apertus", {}),
     # Granite's multipliers, 2 of 4 experts by their softmaxed logits (and beside a shared MLP)
