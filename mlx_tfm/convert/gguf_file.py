@@ -419,6 +419,41 @@ def keep_fused(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarra
     return {name: data}
 
 
+# -- GLM-4.5 (glm4moe): DeepSeek-V3's sigmoid routing over groups beside shared experts, partial
+# RoPE over halves; the converter appends the multi-token-prediction layers, dropped here
+GLM4MOE_NAMES = EMBEDDING_AND_HEAD + ATTENTION + GATED_MLP + (  # its norm before the MLP: post_attention_norm
+    per_layer("attn_norm", "input_layernorm"), per_layer("post_attention_norm", "post_attention_layernorm"),
+) + expert_names("mlp", QWEN_EXPERT_PROJECTIONS) + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+]) + (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),)
+
+
+def glm4moe_keys(get, base: dict, tensors: dict) -> dict:
+    head_dim = base["head_dim"]
+    return {
+        "num_hidden_layers": base["num_hidden_layers"] - int(get("nextn_predict_layers") or 0),
+        "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count") or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm") or False),
+        "n_group": int(get("expert_group_count") or 1),
+        "topk_group": int(get("expert_group_used_count") or 1),
+    }
+
+
+def without_nextn_layers(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The multi-token-prediction layers (past num_hidden_layers) are no part of the model."""
+    match = re.match(r"(?:blk|model\.layers)\.(\d+)\.", name)
+    return {} if match and int(match.group(1)) >= config["num_hidden_layers"] else {name: data}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -458,6 +493,8 @@ GGUF_ARCHITECTURES = {
     "olmoe": GGUFArchitecture("olmoe", "OlmoeForCausalLM", QWEN3MOE_NAMES, olmoe_keys),
     "arcee": GGUFArchitecture("arcee", "ArceeForCausalLM", UNGATED_PRE_NORM_NAMES, arcee_keys, permuted_qk=True),
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_NAMES, phi3_keys, restore=keep_fused),
+    "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", GLM4MOE_NAMES, glm4moe_keys,
+                                restore=without_nextn_layers),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,

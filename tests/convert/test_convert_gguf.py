@@ -159,7 +159,7 @@ TINY_CASE_OF_GGUF_ARCH = {
     "deepseek2": "deepseek_v3", "glm4": "glm4", "ernie4_5": "ernie4_5", "nemotron": "nemotron",
     "hunyuan-dense": "hunyuan_v1_dense", "granitemoe": "granitemoeshared", "ernie4_5-moe": "ernie4_5_moe",
     "gemma": "gemma", "gemma2": "gemma2", "qwen2moe": "qwen2_moe", "command-r": "cohere", "olmoe": "olmoe",
-    "arcee": "arcee", "phi3": "phi3", "seed_oss": "seed_oss", "exaone4": "exaone4",
+    "arcee": "arcee", "phi3": "phi3", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm4moe": "glm4_moe",
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
 }

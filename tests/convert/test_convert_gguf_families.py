@@ -368,6 +368,23 @@ def exaone4_hparams(writer, config: dict) -> None:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
 
 
+def glm4moe_hparams(writer, config: dict) -> None:
+    """Glm4MoeModel.set_gguf_parameters: half of each head rotated, sigmoid routing."""
+    import gguf
+
+    text_model_hparams(writer, config)
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * rope_parameters(config).get("partial_rotary_factor", 0.5)))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -406,6 +423,7 @@ CONVERTERS = {
     "phi3": (phi3_hparams, unchanged_tensors, no_extras),
     "seed_oss": (text_model_hparams, unchanged_tensors, no_extras),
     "exaone4": (exaone4_hparams, unchanged_tensors, llama_extras),
+    "glm4moe": (glm4moe_hparams, experts_apart_tensors, stacked_experts("GLM4_MOE", "n_routed_experts")),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
     "qwen2moe": (qwen2moe_hparams, experts_apart_tensors, stacked_experts("QWEN2MOE", "num_experts")),
@@ -478,6 +496,8 @@ CASES = {
     "arcee": ("arcee", "arcee", {}),
     "phi3": ("phi3", "phi3", {}),
     "seed_oss": ("seed_oss", "seed_oss", {}),
+    # sigmoid routing within the best of 2 groups, a shared expert, layer 0 dense
+    "glm4_moe": ("glm4_moe", "glm4moe", {}),
     # window 6 on layers 0 and 2 (which rotate), layers 1 and 3 global without positions
     # (eos moved: this model's greedy pick is token 2, which generate() with min_new_tokens suppresses)
     "exaone4": ("exaone4", "exaone4", {"eos_token_id": 255}),
@@ -603,3 +623,27 @@ def test_gemma4_vocabulary_tokenizes_as_gemmas_tokenizer(tmp_path):
     assert ours == reference.encode(text, add_special_tokens=False)
     assert tokenizer.encode("Hello", add_special_tokens=True)[0] == 2
     assert tokenizer.decode(ours) == text
+
+
+def test_glm4moe_gguf_multi_token_prediction_layer_is_dropped(tmp_path):
+    """Glm4MoeModel appends the MTP layers (block_count counts them, nextn_predict_layers
+    says how many): they are no part of the model, which gives transformers' logits."""
+    hf = make_hf_model("glm4_moe", tmp_path / "hf")
+    hparams, tensors, extras = CONVERTERS["glm4moe"]
+
+    def with_mtp_layer(writer, config, weights):
+        extras(writer, config, weights)
+        writer.add_block_count(config["num_hidden_layers"] + 1)
+        writer.add_nextn_predict_layers(1)
+        for name in ("attn_norm.weight", "nextn.eh_proj.weight", "nextn.enorm.weight"):
+            writer.add_tensor(f"blk.2.{name}", np.ones((64, 128) if "eh_proj" in name else (64,), np.float32))
+
+    CONVERTERS["glm4moe"] = (hparams, tensors, with_mtp_layer)
+    try:
+        write_family_gguf(tmp_path / "hf", tmp_path / "model.gguf", "glm4moe")
+    finally:
+        CONVERTERS["glm4moe"] = (hparams, tensors, extras)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
+    model, _ = load_model(tmp_path / "out")
+    np.testing.assert_allclose(np.array(model(mx.array([IDS]))[0]), hf_logits(hf, IDS), atol=1e-4, rtol=0)
