@@ -364,6 +364,21 @@ def exaone4_keys(get, base: dict, tensors: dict) -> dict:
     return keys
 
 
+# -- StableLM: LayerNorms with biases, partial RoPE, optional qkv biases and parallel block
+
+STABLELM_NAMES = HEAD + layer_pairs([*ATTENTION, ("attn_norm", "input_layernorm"),
+                                     ("ffn_norm", "post_attention_layernorm"), *GATED_MLP])
+
+def stablelm_keys(get, base: dict, tensors: dict) -> dict:
+    """StableLMModel writes no RoPE base (llama.cpp's 10000) and the residual's kind."""
+    return {
+        "partial_rotary_factor": int(get("rope.dimension_count", base["head_dim"])) / base["head_dim"],
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "use_qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "use_parallel_residual": bool(get("use_parallel_residual", False)),
+    }
+
+
 def family(model_type: str, hf_architecture: str, names, config, restore=None, **more) -> dict:
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config, restore=restore,
                 **more)
@@ -378,6 +393,7 @@ FAMILY_ARCHITECTURES = {
                       metadata_tensors=apertus_xielu),
     "seed_oss": family("seed_oss", "SeedOssForCausalLM", SEED_OSS_NAMES, seed_oss_keys),
     "exaone4": family("exaone4", "Exaone4ForCausalLM", EXAONE4_NAMES, exaone4_keys, drop_rope_freqs),
+    "stablelm": family("stablelm", "StableLmForCausalLM", STABLELM_NAMES, stablelm_keys),
     "gemma4": family("gemma4_text", "Gemma4ForCausalLM", GEMMA4_NAMES, gemma4_keys, restore_gemma4),
 }
 

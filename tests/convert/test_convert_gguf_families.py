@@ -385,6 +385,20 @@ def glm4moe_hparams(writer, config: dict) -> None:
     writer.add_expert_weights_norm(config["norm_topk_prob"])
 
 
+def stablelm_hparams(writer, config: dict) -> None:
+    """StableLMModel.set_gguf_parameters."""
+    n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(int(rope_parameters(config)["partial_rotary_factor"] * (n_embd // n_head)))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_parallel_residual(config.get("use_parallel_residual", True))
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -423,6 +437,7 @@ CONVERTERS = {
     "phi3": (phi3_hparams, unchanged_tensors, no_extras),
     "seed_oss": (text_model_hparams, unchanged_tensors, no_extras),
     "exaone4": (exaone4_hparams, unchanged_tensors, llama_extras),
+    "stablelm": (stablelm_hparams, unchanged_tensors, no_extras),
     "glm4moe": (glm4moe_hparams, experts_apart_tensors, stacked_experts("GLM4_MOE", "n_routed_experts")),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
@@ -496,6 +511,9 @@ CASES = {
     "arcee": ("arcee", "arcee", {}),
     "phi3": ("phi3", "phi3", {}),
     "seed_oss": ("seed_oss", "seed_oss", {}),
+    # a quarter of each head rotated, qkv biases; and the parallel block
+    "stablelm": ("stablelm", "stablelm", {}),
+    "stablelm_parallel": ("stablelm_parallel", "stablelm", {}),
     # sigmoid routing within the best of 2 groups, a shared expert, layer 0 dense
     "glm4_moe": ("glm4_moe", "glm4moe", {}),
     # window 6 on layers 0 and 2 (which rotate), layers 1 and 3 global without positions
