@@ -1,6 +1,6 @@
-"""llama.cpp's GGUF files of the families whose llama.cpp architecture names differ from
-the ones ``gguf_file.py`` reads first: gptneox, cohere2, llama4, apertus, granitemoe,
-ernie4_5-moe, read back into their Hugging Face checkpoints.
+"""llama.cpp's GGUF files of more families, under llama.cpp's architecture names: gptneox,
+cohere2, command-r, llama4, gemma4, apertus, seed_oss, exaone4, stablelm, read back into
+their Hugging Face checkpoints; and Gemma 4's vocabulary (tokenizer model ``gemma4``).
 
 Each row of ``FAMILY_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
 (``gguf_file.py`` builds them): the tensor-name table, the family's config keys on top of
@@ -11,10 +11,14 @@ converter did to a tensor:
   written regrouped (all queries, all keys, all values): split by rows as any fused qkv
   (``gguf_file.split_fused_qkv``, the default restore);
 - Llama 4's fused experts are written split and transposed into the stacked (experts,
-  out, in) layout, the one the family's loader stacks experts into; its llama3 RoPE
-  scaling becomes a ``rope_freqs`` tensor of per-frequency factors, from which the
-  scaling's parameters are solved back (``llama3_rope_from_factors``);
-- Apertus's xIELU parameters become per-layer metadata arrays (``xielu.*``);
+  out, in) layout, the one the family's loader stacks experts into; llama3 RoPE scaling
+  (Llama 4, Apertus, EXAONE 4) becomes a ``rope_freqs`` tensor of per-frequency factors,
+  from which the scaling's parameters are solved back (``llama3_rope_from_factors``);
+- Gemma 4's "proportional" RoPE is a ``rope_freqs`` tensor too (1 for the rotated pairs),
+  its ``layer_scalar`` and experts gain a ``.weight``, its head sizes, KV heads and
+  feed-forward widths are written per layer kind or per layer;
+- Apertus's xIELU parameters become per-layer metadata arrays (``xielu.*``), read back
+  into tensors (``GGUFArchitecture.metadata_tensors``);
 - what a file cannot say, llama.cpp fixes in its runtime, so it is fixed here alike:
   Cohere 2's every 4th layer global, Llama 4's chunks of 8192 positions, every 4th layer
   unrotated and its temperature tuning (floor 8192, scale 0.1).
@@ -402,7 +406,16 @@ def gemma4_tokenizer(meta: dict) -> dict[str, bytes]:
     """Gemma 4's vocabulary (tokenizer model ``gemma4``: SentencePiece-style BPE, merges over
     raw UTF-8 with spaces as "▁", bytes as <0xNN> pieces) -> tokenizer.json, split as
     llama.cpp splits it: at runs of newlines only."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)

@@ -12,7 +12,8 @@ file becomes, how llama.cpp's tensor names map onto its names, and what llama.cp
 converter did to the tensors that must be undone: Llama-lineage converters permute q/k
 rows into interleaved-RoPE order, Gemma's add 1 to every norm weight. The hybrid families'
 rows (short convolutions, Mamba and Mamba-2 mixers) live in ``gguf_hybrids.py``: they build
-their whole config and restore their tensors' layout (``GGUFArchitecture.restore``).
+their whole config and restore their tensors' layout (``GGUFArchitecture.restore``); more
+families' rows (GPT-NeoX, Cohere 2, Llama 4, Gemma 4, Apertus...) in ``gguf_families.py``.
 
 Mixtures of experts (qwen3moe; Mixtral, which llama.cpp writes as a ``llama`` with
 ``expert_count`` set): llama.cpp stacks each projection's experts into one tensor,
@@ -500,7 +501,7 @@ GGUF_ARCHITECTURES = {
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,
                                    permuted_qk=True),
     "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),
-    # -- gptneox, cohere2, llama4, gemma4, apertus (gguf_families.py) --
+    # -- gptneox, cohere2, command-r, llama4, gemma4, apertus, seed_oss, exaone4, stablelm (gguf_families.py) --
     **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
 }
 

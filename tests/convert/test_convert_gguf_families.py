@@ -11,7 +11,13 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import greedy, half_split_to_interleaved, hf_greedy, hf_logits, make_hf_model
+from fixtures.convert_helpers import (
+    greedy,
+    half_split_to_interleaved,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+)
 from fixtures.gguf_names import byte_tokens
 
 import mlx_tfm
@@ -170,7 +176,7 @@ def gemma4_hparams(writer, config: dict) -> None:
     writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
     sliding = [t == "sliding_attention" for t in config["layer_types"]]
     writer.add_sliding_window_pattern(sliding)
-    head_dim_full, kv_heads_full = gemma4_full_layer_shape(config)
+    head_dim_full, _ = gemma4_full_layer_shape(config)
     for add in (writer.add_key_length, writer.add_value_length):
         add(head_dim_full)
     for add in (writer.add_key_length_swa, writer.add_value_length_swa):
@@ -469,9 +475,9 @@ def write_family_gguf(hf_folder, path, arch_name: str, add_tokenizer=byte_vocab)
     for name, w in weights.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        for hf, w in modify_tensors(name, w, config):
+        for hf, written in modify_tensors(name, w, config):
             llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
-            writer.add_tensor(llama_cpp, np.ascontiguousarray(w))
+            writer.add_tensor(llama_cpp, np.ascontiguousarray(written))
     extras(writer, config, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -588,7 +594,14 @@ GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # ids 0-4, as G
 def gemma4_style_bpe(lines: list[str]) -> tuple[dict, list[str]]:
     """A SentencePiece-style BPE trained here as Gemma 4's is shaped: spaces as "▁", merges
     within newline-free runs, every byte as a <0xNN> piece for byte fallback."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tokenizer.normalizer = normalizers.Replace(" ", "▁")
