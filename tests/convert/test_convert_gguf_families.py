@@ -461,7 +461,8 @@ def byte_vocab(writer) -> None:
     writer.add_eos_token_id(2)
 
 
-def write_family_gguf(hf_folder, path, arch_name: str, add_tokenizer=byte_vocab) -> None:
+def write_family_gguf(hf_folder, path, arch_name: str, add_tokenizer=byte_vocab, matrix_type: str = "F32") -> None:
+    """``matrix_type`` Q8_0: matrices and stacked experts whose rows fit its blocks as Q8_0."""
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
@@ -477,7 +478,12 @@ def write_family_gguf(hf_folder, path, arch_name: str, add_tokenizer=byte_vocab)
             continue
         for hf, written in modify_tensors(name, w, config):
             llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
-            writer.add_tensor(llama_cpp, np.ascontiguousarray(written))
+            written = np.ascontiguousarray(written)
+            if matrix_type != "F32" and written.ndim in (2, 3) and written.shape[-1] % 32 == 0:
+                qtype = gguf.GGMLQuantizationType[matrix_type]
+                writer.add_tensor(llama_cpp, gguf.quants.quantize(written, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(llama_cpp, written)
     extras(writer, config, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -678,3 +684,38 @@ def test_glm4moe_gguf_multi_token_prediction_layer_is_dropped(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
     model, _ = load_model(tmp_path / "out")
     np.testing.assert_allclose(np.array(model(mx.array([IDS]))[0]), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def dequantized_copy(source, path, arch_name: str) -> None:
+    """The same GGUF file with every tensor decoded to float32 by gguf's own decoder."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "llama4_text", "gemma4_text"])
+def test_family_gguf_q8_0_blocks(name, tmp_path):
+    """Q8_0 matrices (fused qkv rows split, stacked experts, Gemma 4's renamed tensors) are
+    carried over as 8-bit groups that compute what the file's values decoded by gguf give."""
+    case, arch_name, overrides = CASES[name]
+    make_hf_model(case, tmp_path / "hf", **overrides)
+    write_family_gguf(tmp_path / "hf", tmp_path / "q8.gguf", arch_name, matrix_type="Q8_0")
+    dequantized_copy(tmp_path / "q8.gguf", tmp_path / "f32.gguf", arch_name)
+    logits = {}
+    for kind in ("q8", "f32"):
+        convert(tmp_path / f"{kind}.gguf", tmp_path / kind, dtype="float32", **QUIET)
+        model, _ = load_model(tmp_path / kind)
+        logits[kind] = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
+    np.testing.assert_allclose(logits["q8"], logits["f32"], atol=1e-4, rtol=0)
