@@ -455,6 +455,22 @@ def without_nextn_layers(name: str, data: np.ndarray, config: dict) -> dict[str,
     return {} if match and int(match.group(1)) >= config["num_hidden_layers"] else {name: data}
 
 
+# -- MiniMax-M2: Mixtral's experts chosen by sigmoid scores plus a learned bias, q/k norm over
+# the whole projection, partial RoPE over halves
+MINIMAX_M2_NAMES = LLAMA_OR_MIXTRAL_NAMES + (
+    ("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.block_sparse_moe.e_score_correction_bias"),)
+
+
+def minimax_m2_keys(get, base: dict, tensors: dict) -> dict:
+    return {
+        "partial_rotary_factor": int(get("rope.dimension_count", base["head_dim"])) / base["head_dim"],
+        "num_local_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "intermediate_size": int(get("expert_feed_forward_length")),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -496,6 +512,7 @@ GGUF_ARCHITECTURES = {
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_NAMES, phi3_keys, restore=keep_fused),
     "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", GLM4MOE_NAMES, glm4moe_keys,
                                 restore=without_nextn_layers),
+    "minimax-m2": GGUFArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", MINIMAX_M2_NAMES, minimax_m2_keys),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
     "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,

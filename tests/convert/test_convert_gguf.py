@@ -160,7 +160,7 @@ TINY_CASE_OF_GGUF_ARCH = {
     "hunyuan-dense": "hunyuan_v1_dense", "granitemoe": "granitemoeshared", "ernie4_5-moe": "ernie4_5_moe",
     "gemma": "gemma", "gemma2": "gemma2", "qwen2moe": "qwen2_moe", "command-r": "cohere", "olmoe": "olmoe",
     "arcee": "arcee", "phi3": "phi3", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm4moe": "glm4_moe",
-    "stablelm": "stablelm",
+    "stablelm": "stablelm", "minimax-m2": "minimax_m2",
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
 }

@@ -272,13 +272,13 @@ def ernie4_5_moe_hparams(writer, config: dict) -> None:
 
 
 def experts_apart_tensors(name: str, w: np.ndarray, config: dict):
-    """Ernie4_5MoeModel / Qwen2MoeModel.modify_tensors stack each layer's experts
-    (stacked_experts); ModelBase.filter_tensors names the choice bias a bias."""
-    if ".mlp.experts." not in name:
+    """Ernie4_5MoeModel / Qwen2MoeModel / MiniMaxM2Model.modify_tensors stack each layer's
+    experts (stacked_experts); ModelBase.filter_tensors names the choice bias a bias."""
+    if ".experts." not in name:
         yield name.replace("e_score_correction_bias", "e_score_correction.bias"), w
 
 
-def stacked_experts(arch, n_experts_key: str):
+def stacked_experts(arch, n_experts_key: str, block: str = "mlp", projections=("gate_proj", "up_proj", "down_proj")):
     """Each projection's experts stacked (experts, out, in) under the merged name."""
 
     def extras(writer, config: dict, weights: dict) -> None:
@@ -286,11 +286,11 @@ def stacked_experts(arch, n_experts_key: str):
 
         names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch), config["num_hidden_layers"])
         for layer in range(config["num_hidden_layers"]):
-            for projection in ("gate_proj", "up_proj", "down_proj"):
-                experts = [weights.get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
+            for projection in projections:
+                experts = [weights.get(f"model.layers.{layer}.{block}.experts.{e}.{projection}.weight")
                            for e in range(config[n_experts_key])]
                 if experts[0] is not None:
-                    merged = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight",
+                    merged = names.get_name(f"model.layers.{layer}.{block}.experts.{projection}.weight",
                                             try_suffixes=(".weight",))
                     writer.add_tensor(merged, np.stack(experts))
 
@@ -405,6 +405,13 @@ def stablelm_hparams(writer, config: dict) -> None:
     writer.add_layer_norm_eps(config["layer_norm_eps"])
 
 
+def minimax_m2_hparams(writer, config: dict) -> None:
+    """MiniMaxM2Model: the experts' width, the rotated dims (hub configs' rotary_dim)."""
+    text_model_hparams(writer, config)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * rope_parameters(config)["partial_rotary_factor"]))
+
+
 def llama_extras(writer, config: dict, weights: dict) -> None:
     """LlamaModel.generate_extra_tensors: llama3 RoPE scaling as per-frequency factors."""
     if rope_parameters(config).get("rope_type") == "llama3":
@@ -444,6 +451,8 @@ CONVERTERS = {
     "seed_oss": (text_model_hparams, unchanged_tensors, no_extras),
     "exaone4": (exaone4_hparams, unchanged_tensors, llama_extras),
     "stablelm": (stablelm_hparams, unchanged_tensors, no_extras),
+    "minimax-m2": (minimax_m2_hparams, experts_apart_tensors,
+                   stacked_experts("MINIMAXM2", "num_local_experts", "block_sparse_moe", ("w1", "w2", "w3"))),
     "glm4moe": (glm4moe_hparams, experts_apart_tensors, stacked_experts("GLM4_MOE", "n_routed_experts")),
     "gemma2": (gemma_hparams, gemma_tensors, no_extras),
     "ernie4_5-moe": (ernie4_5_moe_hparams, experts_apart_tensors, stacked_experts("ERNIE4_5_MOE", "moe_num_experts")),
@@ -526,6 +535,8 @@ CASES = {
     # a quarter of each head rotated, qkv biases; and the parallel block
     "stablelm": ("stablelm", "stablelm", {}),
     "stablelm_parallel": ("stablelm_parallel", "stablelm", {}),
+    # sigmoid choice plus a learned bias, q/k norm over all heads, half of each head rotated
+    "minimax_m2": ("minimax_m2", "minimax-m2", {}),
     # sigmoid routing within the best of 2 groups, a shared expert, layer 0 dense
     "glm4_moe": ("glm4_moe", "glm4moe", {}),
     # window 6 on layers 0 and 2 (which rotate), layers 1 and 3 global without positions
