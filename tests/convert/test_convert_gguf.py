@@ -161,6 +161,8 @@ TINY_CASE_OF_GGUF_ARCH = {
     "gemma": "gemma", "gemma2": "gemma2", "qwen2moe": "qwen2_moe", "command-r": "cohere", "olmoe": "olmoe",
     "arcee": "arcee", "phi3": "phi3", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm4moe": "glm4_moe",
     "stablelm": "stablelm", "minimax-m2": "minimax_m2",
+    # -- gguf_qwen_next.py (on main) --
+    "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
 }
