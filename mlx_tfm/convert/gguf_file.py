@@ -12,7 +12,8 @@ file becomes, how llama.cpp's tensor names map onto its names, and what llama.cp
 converter did to the tensors that must be undone: Llama-lineage converters permute q/k
 rows into interleaved-RoPE order, Gemma's add 1 to every norm weight. The hybrid families'
 rows (short convolutions, Mamba and Mamba-2 mixers) live in ``gguf_hybrids.py``: they build
-their whole config and restore their tensors' layout (``GGUFArchitecture.restore``).
+their whole config and restore their tensors' layout (``GGUFArchitecture.restore``); more
+families' rows (GPT-NeoX, Cohere 2, Llama 4, Gemma 4, Apertus...) in ``gguf_families.py``.
 
 Mixtures of experts (qwen3moe; Mixtral, which llama.cpp writes as a ``llama`` with
 ``expert_count`` set): llama.cpp stacks each projection's experts into one tensor,
@@ -42,6 +43,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
+from .gguf_families import FAMILY_ARCHITECTURES, gemma4_tokenizer
 from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
@@ -303,6 +305,173 @@ def hunyuan_dense_keys(get, base: dict, tensors: dict) -> dict:
     return {"use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
+# -- Granite MoE (granitemoe, granitemoeshared) and ERNIE 4.5 MoE: experts as llama.cpp stacks
+# them, Granite's multipliers (granite_keys), ERNIE's dense leading layers
+GRANITEMOE_NAMES = LLAMA_NAMES + (
+    per_layer("ffn_gate_inp", "block_sparse_moe.router.layer"),
+    per_layer("ffn_gate_exps", "block_sparse_moe.switch_mlp.gate_proj"),
+    per_layer("ffn_up_exps", "block_sparse_moe.switch_mlp.up_proj"),
+    per_layer("ffn_down_exps", "block_sparse_moe.switch_mlp.down_proj"),
+    # the shared MLP as the converter splits its input_linear (in the names the family takes)
+    per_layer("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), per_layer("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    per_layer("ffn_down_shexp", "shared_mlp.output_linear"),
+)
+
+
+def granitemoe_keys(get, base: dict, tensors: dict) -> dict:
+    """GraniteMoeModel: a shared MLP (granitemoeshared) when the file gives its width."""
+    shared = get("expert_shared_feed_forward_length")
+    keys = {
+        **granite_keys(get, base, tensors),
+        "num_local_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+    }
+    if shared:
+        keys.update(model_type="granitemoeshared", architectures=["GraniteMoeSharedForCausalLM"],
+                    shared_intermediate_size=int(shared))
+    return keys
+
+
+ERNIE4_5_MOE_NAMES = LLAMA_NAMES + expert_names("mlp", QWEN_EXPERT_PROJECTIONS) + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+]) + (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.moe_statics.e_score_correction_bias"),)
+
+
+def ernie4_5_moe_keys(get, base: dict, tensors: dict) -> dict:
+    """Ernie4_5MoeModel writes the leading dense layers and the step between expert layers,
+    no last expert layer: llama.cpp's experts run to the last layer."""
+    first, step = int(get("leading_dense_block_count") or 0), int(get("interleave_moe_layer_step") or 1)
+    return {
+        **ernie4_5_keys(get, base, tensors),
+        "moe_num_experts": int(get("expert_count")),
+        "moe_k": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "moe_num_shared_experts": int(get("expert_shared_count") or 0),
+        "moe_layer_start_index": first,
+        "moe_layer_end_index": base["num_hidden_layers"] - 1,
+        "moe_layer_interval": step,
+        "first_k_dense_replace": first, "interleave_moe_layer_step": step,  # where check_experts looks
+    }
+
+
+# -- Gemma and Gemma 2: norms stored as 1 + w (norm_shift), GELU (tanh), base 10000 unwritten
+def gemma_keys(get, base: dict, tensors: dict) -> dict:
+    return {"hidden_activation": "gelu_pytorch_tanh"}
+
+
+def gemma2_keys(get, base: dict, tensors: dict) -> dict:
+    """llama.cpp's Gemma 2: even layers slide (window 4096 unless written), scores scaled by
+    1/sqrt(head_dim) (27B, 46 layers: 1/sqrt(hidden / heads)), both soft caps."""
+    n_layers = base["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    sliding = pattern if isinstance(pattern, list) else [i % (pattern or 2) < (pattern or 2) - 1 for i in range(n_layers)]
+    scalar = base["hidden_size"] // base["num_attention_heads"] if n_layers == 46 else base["head_dim"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(get("attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
+
+
+# -- Qwen2-MoE: qwen3moe's experts beside a shared expert behind its own sigmoid gate
+QWEN2MOE_NAMES = QWEN3MOE_NAMES + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_expert.down_proj"), ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
+])
+
+
+def qwen2moe_keys(get, base: dict, tensors: dict) -> dict:
+    """Qwen2MoeModel: every layer a mixture; llama.cpp's qwen2moe renormalises no weights."""
+    return {
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length") or 0),
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    }
+
+
+# -- OLMoE: qwen3moe's experts with q/k norms over all heads; Arcee: an ungated ReLU² MLP
+def olmoe_keys(get, base: dict, tensors: dict) -> dict:
+    """OlmoeModel: every layer a mixture, the chosen weights not renormalised."""
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "norm_topk_prob": False}
+
+
+def arcee_keys(get, base: dict, tensors: dict) -> dict:
+    return {"hidden_act": "relu2"}
+
+
+# -- Phi-3: fused qkv and gate_up kept fused (the family splits them), Phi-4's window 0 = none
+PHI3_NAMES = EMBEDDING_AND_HEAD + PRE_NORMS + (per_layer("ffn_up", "mlp.gate_up_proj"),) + ATTENTION + GATED_MLP
+
+
+def phi3_keys(get, base: dict, tensors: dict) -> dict:
+    rotary = get("rope.dimension_count", base["head_dim"])
+    window = get("attention.sliding_window")
+    return {"partial_rotary_factor": int(rotary) / base["head_dim"], "sliding_window": int(window) if window else None}
+
+
+def keep_fused(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    return {name: data}
+
+
+# -- GLM-4.5 (glm4moe): DeepSeek-V3's sigmoid routing over groups beside shared experts, partial
+# RoPE over halves; the converter appends the multi-token-prediction layers, dropped here
+GLM4MOE_NAMES = EMBEDDING_AND_HEAD + ATTENTION + GATED_MLP + (  # its norm before the MLP: post_attention_norm
+    per_layer("attn_norm", "input_layernorm"), per_layer("post_attention_norm", "post_attention_layernorm"),
+) + expert_names("mlp", QWEN_EXPERT_PROJECTIONS) + tuple(per_layer(g, h) for g, h in [
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"), ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+]) + (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),)
+
+
+def glm4moe_keys(get, base: dict, tensors: dict) -> dict:
+    head_dim = base["head_dim"]
+    return {
+        "num_hidden_layers": base["num_hidden_layers"] - int(get("nextn_predict_layers") or 0),
+        "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count") or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm") or False),
+        "n_group": int(get("expert_group_count") or 1),
+        "topk_group": int(get("expert_group_used_count") or 1),
+    }
+
+
+def without_nextn_layers(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The multi-token-prediction layers (past num_hidden_layers) are no part of the model."""
+    match = re.match(r"(?:blk|model\.layers)\.(\d+)\.", name)
+    return {} if match and int(match.group(1)) >= config["num_hidden_layers"] else {name: data}
+
+
+# -- MiniMax-M2: Mixtral's experts chosen by sigmoid scores plus a learned bias, q/k norm over
+# the whole projection, partial RoPE over halves
+MINIMAX_M2_NAMES = LLAMA_OR_MIXTRAL_NAMES + (
+    ("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.block_sparse_moe.e_score_correction_bias"),)
+
+
+def minimax_m2_keys(get, base: dict, tensors: dict) -> dict:
+    return {
+        "partial_rotary_factor": int(get("rope.dimension_count", base["head_dim"])) / base["head_dim"],
+        "num_local_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "intermediate_size": int(get("expert_feed_forward_length")),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     model_type: str  # the Hugging Face model_type it becomes
@@ -315,6 +484,8 @@ class GGUFArchitecture:
     # None: split_fused_qkv. Hybrids (gguf_hybrids.py) restore A_log, conv weights...
     restore: Callable | None = None
     standalone: bool = False  # config builds the whole family config: no llama-shaped base
+    # (metadata, config) -> {name: mx.array}: weights a converter wrote as metadata (Apertus's xIELU)
+    metadata_tensors: Callable | None = None
 
 
 GGUF_ARCHITECTURES = {
@@ -337,6 +508,20 @@ GGUF_ARCHITECTURES = {
     "hunyuan-dense": GGUFArchitecture("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", config=hunyuan_dense_keys),
     **{arch: GGUFArchitecture(**fields) for arch, fields in HYBRID_ARCHITECTURES.items()},
     **{arch: GGUFArchitecture(**fields) for arch, fields in QWEN_NEXT_ARCHITECTURES.items()},  # Gated DeltaNet hybrids
+    "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_NAMES, qwen2moe_keys),
+    "olmoe": GGUFArchitecture("olmoe", "OlmoeForCausalLM", QWEN3MOE_NAMES, olmoe_keys),
+    "arcee": GGUFArchitecture("arcee", "ArceeForCausalLM", UNGATED_PRE_NORM_NAMES, arcee_keys, permuted_qk=True),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_NAMES, phi3_keys, restore=keep_fused),
+    "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", GLM4MOE_NAMES, glm4moe_keys,
+                                restore=without_nextn_layers),
+    "minimax-m2": GGUFArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", MINIMAX_M2_NAMES, minimax_m2_keys),
+    "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", config=gemma_keys, norm_shift=1.0),
+    "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA3_NAMES, gemma2_keys, norm_shift=1.0),
+    "granitemoe": GGUFArchitecture("granitemoe", "GraniteMoeForCausalLM", GRANITEMOE_NAMES, granitemoe_keys,
+                                   permuted_qk=True),
+    "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),
+    # -- gptneox, cohere2, command-r, llama4, gemma4, apertus, seed_oss, exaone4, stablelm (gguf_families.py) --
+    **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
 }
 
 
@@ -401,12 +586,14 @@ def llama_base(get) -> dict:
     """The config keys of llama-shaped metadata (every family but the hybrids)."""
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    # written per layer by some (Gemma 4): the largest here, the family's keys say per layer
+    largest = lambda value: max(value) if isinstance(value, list) else value  # noqa: E731
     return {
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(largest(get("feed_forward_length"))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(largest(get("attention.head_count_kv", n_heads))),
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -563,8 +750,11 @@ def check_experts(tensors: dict, config: dict, path: Path) -> None:
     n_experts = num_experts_of(config)
     if not n_experts:
         return
-    for layer in range(config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]):  # dense ones first
-        for projection in ("ffn_gate", "ffn_up", "ffn_down"):
+    first, step = config.get("first_k_dense_replace") or 0, config.get("interleave_moe_layer_step") or 1
+    # dense layers first, and (Llama 4, ERNIE) between: experts where (layer + 1) % step == 0
+    for layer in [i for i in range(first, config["num_hidden_layers"]) if (i + 1) % step == 0]:
+        fused = f"blk.{layer}.ffn_gate_up_exps.weight" in tensors  # Gemma 4: gate and up in one
+        for projection in ("ffn_gate_up", "ffn_down") if fused else ("ffn_gate", "ffn_up", "ffn_down"):
             check_layer_experts(tensors, f"blk.{layer}.{projection}", n_experts, path)
 
 
@@ -758,7 +948,9 @@ def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
         return sentencepiece_tokenizer(meta)
     if model == "gpt2":
         return byte_level_bpe_tokenizer(meta, path)
-    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2)")
+    if model == "gemma4":
+        return gemma4_tokenizer(meta)
+    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4)")
 
 
 def read_gguf(path: Path) -> Source:
@@ -775,6 +967,8 @@ def read_gguf(path: Path) -> Source:
     config = hf_config(meta, tensors, arch)
     check_experts(tensors, config, path)
     weights, quantization = read_tensors(reader, config, arch)
+    if GGUF_ARCHITECTURES[arch].metadata_tensors is not None:
+        weights.update(GGUF_ARCHITECTURES[arch].metadata_tensors(meta, config))
     kinds = {t.tensor_type.name for t in reader.tensors}
     # float16 whenever blocks are carried over: their float16 scales stay exact
     config["torch_dtype"] = "float32" if kinds == {"F32"} else "bfloat16" if kinds <= {"F32", "BF16"} else "float16"

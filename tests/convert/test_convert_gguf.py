@@ -17,6 +17,7 @@ import pytest
 from conftest import data_path
 from fixtures.cli_runs import convert_error
 from fixtures.convert_helpers import (
+    TINY_CONFIGS,
     greedy,
     half_split_to_interleaved,
     hf_greedy,
@@ -30,7 +31,7 @@ from fixtures.convert_helpers import (
     write_llama_cpp_gguf,
     write_stories_gguf,
 )
-from fixtures.gguf_names import llama_cpp_tensor_names
+from fixtures.gguf_names import llama_cpp_tensor_names, tiny_model_tensor_names
 
 import mlx_tfm
 from mlx_tfm.convert.converter import convert
@@ -150,18 +151,39 @@ def test_block_mapping_is_exact(kind, magnitude):
 # -- tensor names: one table, read both ways ---------------------------------------------------
 
 
-# the hybrids (fewer tensor kinds: Mamba has 11) are checked in test_convert_gguf_hybrids.py
+# GGUF architecture -> the TINY_CONFIGS case whose tensors its files hold: each tensor of
+# that tiny model that gguf's TensorNameMap names must be one we read.
+TINY_CASE_OF_GGUF_ARCH = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
+    "olmo2": "olmo2", "starcoder2": "starcoder2", "granite": "granite", "smollm3": "smollm3", "phi2": "phi",
+    "deepseek2": "deepseek_v3", "glm4": "glm4", "ernie4_5": "ernie4_5", "nemotron": "nemotron",
+    "hunyuan-dense": "hunyuan_v1_dense", "granitemoe": "granitemoeshared", "ernie4_5-moe": "ernie4_5_moe",
+    "gemma": "gemma", "gemma2": "gemma2", "qwen2moe": "qwen2_moe", "command-r": "cohere", "olmoe": "olmoe",
+    "arcee": "arcee", "phi3": "phi3", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm4moe": "glm4_moe",
+    "stablelm": "stablelm", "minimax-m2": "minimax_m2",
+    # -- gguf_qwen_next.py (on main) --
+    "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+    # -- gguf_families.py --
+    "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
+}
+
+
+# the hybrids are checked in test_convert_gguf_hybrids.py
 @pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES)))
 def test_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
     """Writing (gguf_name) undoes reading (hf_name) for every tensor llama.cpp names, and
-    gives the name gguf's own TensorNameMap gives the Hugging Face name (where it has it)."""
+    gives the name gguf's own TensorNameMap gives the Hugging Face name (where it has it);
+    every tensor of the architecture's tiny model that llama.cpp names is one we read."""
     import gguf
 
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     theirs = gguf.get_tensor_name_map(model_arch, 4)
     ours = {name: hf_name(name, arch) for name in llama_cpp_tensor_names(arch)}
     read = {name: hf for name, hf in ours.items() if hf != name}  # the tensors we read
-    assert len(read) >= 20
+    assert arch in TINY_CASE_OF_GGUF_ARCH, f"{arch}: name its TINY_CONFIGS case"
+    case = TINY_CASE_OF_GGUF_ARCH[arch]
+    held = tiny_model_tensor_names(arch, {"model_type": case, **TINY_CONFIGS[case]})
+    assert held and not held - set(read), sorted(held - set(read))
     for name, hf in read.items():
         assert gguf_name(hf, arch) == name
         assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
