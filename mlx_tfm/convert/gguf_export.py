@@ -22,6 +22,7 @@ import numpy as np
 from ..atomic import atomic_file
 from ..errors import UserError
 from ..hub import resolve_model_path
+from ..model.positions import rope_inverse_frequencies, rope_type
 from ..weights.quantization import dequantize_weights
 from .converter import read_source
 from .gguf_file import GROUP_SIZE, PRE_TOKENIZERS, byte_level_pre_tokenizer, gguf_name
@@ -73,12 +74,16 @@ def export_gguf(model_path: str | Path, gguf_path: str | Path, gguf_type: str = 
     return target
 
 
+def rope_scaling_of(config: dict) -> dict:
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
+
+
 def check_exportable(config: dict, arch: str) -> None:
     """One line for what a llama.cpp file of ``arch`` cannot express."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise UserError(f"GGUF export does not write rope scaling {kind!r} yet (supported: default, linear)")
+    kind = rope_type(rope_scaling_of(config))
+    supported = ("default", "linear", "llama3") if arch == "llama" else ("default", "linear")
+    if kind not in supported:
+        raise UserError(f"GGUF export does not write rope scaling {kind!r} yet (supported: {', '.join(supported)})")
     if config.get("sliding_window") and config.get("use_sliding_window", arch == "llama"):
         raise UserError("GGUF export does not write sliding-window attention (this model uses it)")
 
@@ -121,10 +126,20 @@ def add_hyperparameters(writer, config: dict, gguf_type: str) -> None:
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(FILE_TYPES[gguf_type])
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    scaling = rope_scaling_of(config)
+    if rope_type(scaling) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
+
+
+def llama3_factors(config: dict) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp holds it: each rotated pair's frequency divisor
+    (head_dim / 2,), float32 (``rope_freqs.weight``, as its converter writes it)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    plain = rope_inverse_frequencies(head_dim, rope_theta(config), None, 0)
+    scaled = rope_inverse_frequencies(head_dim, rope_theta(config), rope_scaling_of(config),
+                                      config.get("max_position_embeddings", 2048))
+    return (plain / scaled).astype(np.float32)
 
 
 def tensor_type(name: str, w: np.ndarray, gguf_type: str):
@@ -145,6 +160,8 @@ def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, 
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads") or n_heads
     names = [n for n in weights if not (n == "lm_head.weight" and config.get("tie_word_embeddings"))]
+    if rope_type(rope_scaling_of(config)) == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_factors(config))
     start, step = time.monotonic(), max(1, len(names) // 10)
     for i, name in enumerate(sorted(names)):
         w = np.array(weights[name].astype(mx.float32))

@@ -43,7 +43,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
-from .gguf_families import FAMILY_ARCHITECTURES, gemma4_tokenizer
+from .gguf_families import FAMILY_ARCHITECTURES, gemma4_tokenizer, llama3_scaling_keys
 from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
@@ -118,7 +118,9 @@ def expert_names(block: str, hf_projections: dict[str, str]) -> tuple[NamePair, 
 
 QWEN3MOE_NAMES = LLAMA_NAMES + expert_names("mlp", QWEN_EXPERT_PROJECTIONS)
 # A llama file with experts is Mixtral (see llama_keys); a dense one never holds these tensors.
-LLAMA_OR_MIXTRAL_NAMES = LLAMA_NAMES + expert_names("block_sparse_moe", MIXTRAL_EXPERT_PROJECTIONS)
+# Llama 3.x files carry their RoPE scaling as a tensor of per-frequency factors (rope_freqs)
+LLAMA_OR_MIXTRAL_NAMES = (LLAMA_NAMES + (("rope_freqs.weight", "rope_freqs.weight"),)
+                          + expert_names("block_sparse_moe", MIXTRAL_EXPERT_PROJECTIONS))
 
 
 # -- configs: llama.cpp's metadata -> Hugging Face config keys, per family ----------------------
@@ -134,7 +136,7 @@ def llama_keys(get, base: dict, tensors: dict) -> dict:
     experts, the top k renormalised (no flag: mixtral_args), as llama.cpp's llama does."""
     n_experts = int(get("expert_count") or 0)
     if not n_experts:
-        return {}
+        return llama3_scaling_keys(base, tensors)  # Llama 3.x: solved back from rope_freqs
     return {
         "model_type": "mixtral",
         "architectures": ["MixtralForCausalLM"],
@@ -489,7 +491,9 @@ class GGUFArchitecture:
 
 
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", LLAMA_OR_MIXTRAL_NAMES, llama_keys, permuted_qk=True),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", LLAMA_OR_MIXTRAL_NAMES, llama_keys, permuted_qk=True,
+                              restore=lambda name, data, config: {} if name == "rope_freqs.weight"
+                              else split_fused_qkv(name, data, config)),  # the factors are in the config
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_NAMES, qwen3moe_keys),

@@ -149,6 +149,25 @@ def test_the_probe_tells_every_llama_cpp_split_apart():
         assert PRE_TOKENIZERS[pre_tokenizer_name(tokenizer)] == steps, name
 
 
+def test_llama3_rope_scaling_travels_as_rope_freqs(tmp_path, stories_hf):
+    """Llama 3.x's scaling becomes llama.cpp's per-frequency factors; transformers' GGUF
+    loader and ours read it back to the source's logits."""
+    import gguf
+
+    folder = tmp_path / "llama3"
+    shutil.copytree(stories_hf, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}  # short, so the band covers several pairs
+    (folder / "config.json").write_text(json.dumps(config))
+    path = export_gguf(folder, tmp_path / "l3.gguf", "f32", **QUIET)
+    factors = np.array(gguf_tensors(path)["rope_freqs.weight"].data)
+    assert factors.shape == (4,) and factors.max() == pytest.approx(8.0) and factors.min() == 1.0
+    ids = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298] * 6  # 66 positions, past the original 64
+    convert(path, tmp_path / "back", **QUIET)
+    np.testing.assert_allclose(our_logits(tmp_path / "back", ids), our_logits(folder, ids), atol=1e-4, rtol=0)
+
+
 def test_quantized_mlx_folder_exports_its_dequantized_weights(tmp_path, stories_hf):
     convert(stories_hf, tmp_path / "q8", quantize=True, q_bits=8, q_group_size=32, **QUIET)
     path = export_gguf(tmp_path / "q8", tmp_path / "s.gguf", "f32", **QUIET)
