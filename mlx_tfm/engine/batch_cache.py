@@ -246,7 +246,7 @@ class BatchKVCache(BatchCache):
     # -- rows joining and leaving ------------------------------------------------------------
     def select(self, rows: list[int]) -> "BatchKVCache":
         """A new cache of the given rows (in that order), without the slots none of them uses."""
-        chosen = BatchKVCache(self.window)
+        chosen = type(self)(self.window)  # a subclass (chunked layers) stays itself
         if not rows:
             return chosen
         index = mx.array(rows)

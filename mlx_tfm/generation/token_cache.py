@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..model.cache import KVQuantization, QuantizedKVCache, quantized_layers
+from ..model.chunked_cache import ChunkedKVCache
 from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
 from .prompt_cache import load_prompt_cache, save_prompt_cache
@@ -39,6 +40,14 @@ MAX_SNAPSHOTS = 8
 # The layer caches that keep a recurrent state, which no trim takes back: a recurrent
 # layer's own, and Falcon-H1's attention with a Mamba-2 state beside it.
 KEEPS_STATE = (StateCache, ParallelCache)
+
+
+def trims(layer, n: int) -> bool:
+    """Whether ``layer`` can forget its last ``n`` positions: a chunked-attention cache
+    only within the chunk it holds."""
+    if isinstance(layer, ChunkedKVCache):
+        return layer.can_trim(n)
+    return layer.is_trimmable()
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -172,7 +181,7 @@ class TokenCache:
         """Trim the trimmable layers to ``position`` and put the snapshot's states back."""
         saved = self.snapshots[position]
         others = [(i, layer) for i, layer in enumerate(self.layers) if i not in saved]
-        if any(layer.offset < position or (layer.offset > position and not layer.is_trimmable())
+        if any(layer.offset < position or (layer.offset > position and not trims(layer, layer.offset - position))
                for _, layer in others):
             return False
         for _, layer in others:
@@ -191,7 +200,7 @@ class TokenCache:
         """Make every layer hold exactly the first ``length`` tokens; False (and nothing
         trusted) when a layer cannot (a rotating cache that has wrapped)."""
         excess = [layer.offset - length for layer in self.layers]
-        if any(n < 0 or (n and not layer.is_trimmable()) for n, layer in zip(excess, self.layers)):
+        if any(n < 0 or (n and not trims(layer, n)) for n, layer in zip(excess, self.layers)):
             return False
         for n, layer in zip(excess, self.layers):
             layer.trim(n)
