@@ -166,7 +166,7 @@ class Engine:
                     self.step()
                 except Exception as error:  # a bug in a round: fail what was in it, keep serving
                     log.exception("engine step failed")
-                    self.fail_admitted(error)
+                    self._round_failed(error)
         finally:
             self._shut_down()
             # MLX keeps per-thread streams and compile caches; a thread that exits without
@@ -196,6 +196,11 @@ class Engine:
         self.outputs.fail(self._prefilling + self._running, error)
         self.scheduler.group.clear()
         self.decoder.reset()
+
+    def _round_failed(self, error: Exception) -> None:
+        """A round raised ``error``: its rows end with it and the engine goes on (an engine
+        over a model split over ranks cannot: distributed/follow.py)."""
+        self.fail_admitted(error)
 
     def _shut_down(self) -> None:
         self._take_in()
