@@ -120,7 +120,18 @@ def test_a_token_cache_reuses_a_prefix_within_the_chunk_and_starts_again_before_
     assert entry.prepare(PROMPT[:12] + [3, 3]) == PROMPT[12:12] + [3, 3]  # 12 >= 10: trimmed
     assert entry.offset == 12
     assert entry.prepare(PROMPT[:6] + [3, 3]) == PROMPT[:6] + [3, 3]  # 6 < 10: its chunk is gone
-    assert entry.offset == 0
+    assert entry.offset == 0 and type(entry.layers[0]) is KVCache  # started again as make_cache makes them
+
+
+def test_a_chunk_bound_token_cache_makes_and_copies_chunked_layers(model):
+    entry = TokenCache(model, chunk_bound=True)
+    assert [type(c) for c in entry.layers] == [ChunkedKVCache, ChunkedKVCache, KVCache, ChunkedKVCache]
+    logits_of(model, PROMPT[:10], entry.layers)
+    logits_of(model, PROMPT[10:12], entry.layers)
+    entry.record(PROMPT[:12])
+    twin = entry.copy()
+    assert twin.prepare(PROMPT[:4] + [3]) == PROMPT[:4] + [3]  # position 4's chunk is gone: started again
+    assert type(twin.layers[0]) is ChunkedKVCache and entry.offset == 12
 
 
 def test_speculative_decoding_over_the_chunked_cache_gives_plain_greedy(model):
@@ -167,3 +178,19 @@ def test_the_engine_batches_chunked_layers_in_a_chunk_and_reuses_their_prefixes(
     # the first prompt again: the entry no longer holds the chunk of its position 16, so it starts again
     again, event = run_engine(engine, PROMPT[:17], 8)
     assert again == first and event.cached_tokens == 0
+
+
+def test_the_engines_chunked_layers_keep_about_a_chunk_of_slots(model, tokenizer, monkeypatch):
+    """Growing in steps of 4 slots, a chunked layer's batched cache drops what no query
+    can see at each growth: it never holds more than chunk - 1 + 4 slots, while the full
+    attention layer holds every position."""
+    monkeypatch.setattr(BatchChunkedKVCache, "step", 4)
+    engine = Engine(model, tokenizer, prefill_step_size=4)
+    tokens, used = [], {0: [], 2: []}
+    engine.submit(Request(PROMPT, 24), lambda event: tokens.append(event.token))
+    while engine.step():
+        for layer in used:
+            if engine._decode_cache and engine._decode_cache[layer].size:
+                used[layer].append(engine._decode_cache[layer].used)
+    assert [t for t in tokens if t is not None] == reference_tokens(model, tokenizer, PROMPT, 24)
+    assert max(used[2]) >= len(PROMPT) + 20 and max(used[0]) <= CHUNK - 1 + 4
