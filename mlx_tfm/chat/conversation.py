@@ -198,7 +198,7 @@ class ChatSession:
         bounds = [model.args.max_position_embeddings] + ([max_kv_size] if max_kv_size else [])
         self.context_limit = min(bounds)
         self.last_stats: AnswerStats | None = None
-        self.cache = TokenCache(model, max_kv_size=max_kv_size, kv_quantization=kv_quantization)
+        self.cache = TokenCache(model, max_kv_size=max_kv_size, kv_quantization=kv_quantization, chunk_bound=True)
         self.draft_cache = TokenCache(draft_model) if draft_model is not None else None
         self.speculation = dict(num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
 

@@ -149,7 +149,7 @@ def open_token_cache(args, model, cache_file: Path | None):
     kv_quantization = decoding_flags.kv_quantization(args)
     if cache_file is not None and cache_file.is_file():
         return TokenCache.load(cache_file, model, args.max_kv_size, kv_quantization)
-    return TokenCache(model, args.max_kv_size, kv_quantization=kv_quantization)
+    return TokenCache(model, args.max_kv_size, kv_quantization=kv_quantization, chunk_bound=True)
 
 
 def speculation(args, draft_model, token_cache) -> dict:

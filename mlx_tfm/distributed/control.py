@@ -30,6 +30,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Callable
 
 from ..errors import UserError
 from .launch import Launch
@@ -38,6 +39,7 @@ HEADER = struct.Struct(">IB")  # payload length, kind
 HELLO, GO, BEAT, DATA, DONE, FAIL, LOST = range(1, 8)
 BEAT_S = 1.0
 RETRY_S = 0.2
+ANSWER_GRACE_S = 2.0  # for rank 0's server to write the errors it answers before the process ends
 
 
 class Lost(Exception):
@@ -110,6 +112,8 @@ class ControlLink:
         self.inbox: queue.Queue = queue.Queue()  # followers: rank 0's data, in order
         self.locks: dict[int, threading.Lock] = {}
         self.ended = False
+        # What this rank answers before a peer's failure ends it (rank 0's server: its requests)
+        self.before_stop: list[Callable[[str], None]] = []
 
     # -- the roll call ------------------------------------------------------------------
     def connect(self) -> None:
@@ -222,7 +226,7 @@ class ControlLink:
                 self._peer_failed(rank, payload.decode(errors="replace"))
             elif kind == LOST:
                 lost = json.loads(payload)
-                stop_process(f"rank {lost['rank']} {lost['reason']}; rank {self.launch.rank} stops too")
+                self.stop_for_peer(f"rank {lost['rank']} {lost['reason']}; rank {self.launch.rank} stops too")
 
     def _peer_lost(self, rank: int, how: str) -> None:
         if rank in self.finished or self.ended:
@@ -240,7 +244,19 @@ class ControlLink:
             for other in self.peers:
                 if other != rank:
                     self._send(other, LOST, json.dumps({"rank": rank, "reason": text}).encode())
-        stop_process(f"rank {rank} {text}; rank {self.launch.rank} stops too")
+        self.stop_for_peer(f"rank {rank} {text}; rank {self.launch.rank} stops too")
+
+    def stop_for_peer(self, line: str) -> None:
+        """End this process with ``line`` once ``before_stop`` has answered what it holds
+        (and had ``ANSWER_GRACE_S`` to deliver it)."""
+        if self.before_stop:
+            for answer in self.before_stop:
+                try:
+                    answer(line)
+                except Exception:  # the line must still be said and the process end
+                    pass
+            time.sleep(ANSWER_GRACE_S)
+        stop_process(line)
 
     # -- rank 0's decisions ---------------------------------------------------------------
     def send(self, value) -> None:

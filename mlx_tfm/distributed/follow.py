@@ -11,7 +11,11 @@ from the same random state, so they draw the same tokens.
 - ``chat_session`` / ``LeaderLines`` / ``FollowedLines``: the chat REPL on every rank,
   the lines rank 0 reads, its answer stops and loaded conversations shared;
 - ``MirroredEngine``: the server's batching engine, the requests and cancellations rank 0
-  takes in each round shared (with a seed drawn for each request that has none).
+  takes in each round shared (with a seed drawn for each request that has none). A round
+  that raises on any rank ends the ranks: the others may be waiting in one of its
+  collectives, which nothing can call off, so no further round could be run alike. Rank
+  0's server first answers every request it holds with an error (a 500), then every rank
+  stops with one line naming the rank that failed.
 """
 
 from __future__ import annotations
@@ -19,18 +23,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 
 import mlx.core as mx
 
 from ..chat.conversation import ChatSession, load_conversation
 from ..engine.loop import Engine
+from ..engine.outputs import one_line
 from ..engine.prefix_cache import PrefixCache
 from ..engine.rows import Row
 from ..errors import UserError
+from .control import ANSWER_GRACE_S, stop_process
 from .world import World
 
 log = logging.getLogger("mlx_tfm.engine")
 
+SPLIT_STOPPED = "the model split over ranks stopped: an engine round failed (the server's log says where)"
+LOCK_WAIT_S = 1.0  # how long answering the requests waits for the engine's lock (its thread may hang in a collective)
 CONSTRAINED_REFUSAL = ("constrained output (response_format with a schema, or tools) is not supported on a model "
                        "split over ranks (--pipeline, --tensor-parallel)")
 
@@ -183,6 +192,31 @@ class MirroredEngine(Engine):
         super().__init__(model, tokenizer, **engine_args)
         self.world = world
         self.prefix_cache = ClusterPrefixCache(self.prefix_cache.max_bytes, world)
+        if world.leader and world.link is not None:  # a follower's failure ends rank 0: answer first
+            world.link.before_stop.append(self.fail_everything)
+
+    def fail_everything(self, reason: str) -> None:
+        """The ranks stop (``reason``): every request this engine holds ends with an error
+        event, and new ones get one at once. Called from a watch thread while the engine's
+        may be waiting in a collective for good, so the lock is waited for only a while."""
+        log.error("the model split over ranks stops: %s", reason)
+        held = self._lock.acquire(timeout=LOCK_WAIT_S)
+        try:
+            self._stopping = True  # submit answers "server shutting down" from now on
+            rows = [*self._incoming, *self._waiting, *self._prefilling, *self._running]
+            self.outputs.fail(rows, SPLIT_STOPPED)
+        finally:
+            if held:
+                self._lock.release()
+
+    def _round_failed(self, error: Exception) -> None:
+        """Rank 0's round raised: answer every request, tell the other ranks (they stop
+        with the line), and end this process too."""
+        reason = f"an engine round failed on rank 0 ({one_line(error)})"
+        self.fail_everything(reason)
+        self.world.link.end(reason)
+        time.sleep(ANSWER_GRACE_S)
+        stop_process(f"{reason}; every rank stops")
 
     def submit(self, request, on_event) -> int:
         if request.logits_processors:
@@ -225,18 +259,19 @@ class MirroredEngine(Engine):
         super()._take_in()
 
     def follow(self) -> None:
-        """A follower's engine: the rounds rank 0 runs, until it stops (as the engine
-        thread does, a failing round fails its rows and the engine goes on)."""
+        """A follower's engine: the rounds rank 0 runs, until it stops. A round that raises
+        here ends this rank with one line (and rank 0, told so, answers its requests)."""
         while True:
             try:
                 self.step()
             except Stopped:
                 return
             except UserError:
-                raise  # rank 0 is gone
+                raise  # rank 0 is gone, or the engine's own words
             except Exception as error:
                 log.exception("engine step failed")
-                self.fail_admitted(error)
+                raise UserError(f"an engine round failed on rank {self.world.rank} ({one_line(error)}): "
+                                "the ranks can no longer run the same rounds") from None
 
 
 def engine_for(model, tokenizer, world: World, **engine_args) -> Engine:

@@ -110,6 +110,7 @@ def pipeline(model: Model, world: World) -> None:
         mine[-1] = PipelineEnd(mine[-1], world.group, None, send_to, gather=True)
     stack.layers = mine
     stack.windows = [stack.windows[i] for i in span]  # make_cache: one cache per kept layer
+    stack.chunks = [stack.chunks[i] for i in span]  # and Llama 4's chunked layers among them
     for block in mine:
         mx.eval(block.parameters())  # read this rank's layers, one at a time
 

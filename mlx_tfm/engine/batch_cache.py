@@ -177,9 +177,21 @@ class BatchKVCache(BatchCache):
                 cache[row : row + 1, :, start + pad : self.used] = cache[row : row + 1, :, start : self.used - pad]
             self.starts[row] = start + pad
 
+    def _dropped_by(self, length: int) -> int:
+        """How many of the oldest slots the update of ``length`` new positions drops: with
+        a window, when it grows the buffer, those no new query can see."""
+        if self.window is None or self.keys is None or self.used + length <= self.keys.shape[2]:
+            return 0
+        return max(0, self.used - (self.window - 1))
+
+    def _slots_seen(self, length: int) -> tuple[int, list[int]]:
+        """``used`` and ``starts`` as the update of ``length`` new positions finds them once
+        it has dropped what it drops: the masks, made before it, count slots so."""
+        drop = self._dropped_by(length)
+        return self.used - drop, [max(0, start - drop) for start in self.starts]
+
     def _grow(self, keys: mx.array, values: mx.array, length: int) -> None:
-        if self.window is not None:
-            self._drop_before(self.used - (self.window - 1))  # what no new query can see
+        self._drop_before(self._dropped_by(length))  # what no new query can see
         B, n_kv_heads, _, k_head_dim = keys.shape
         n_new = -(-length // self.step) * self.step
         new_keys = mx.zeros((B, n_kv_heads, n_new, k_head_dim), keys.dtype)
@@ -207,18 +219,19 @@ class BatchKVCache(BatchCache):
             return self.chunked_mask(length, chunk)
         windows = [w for w in (window, self.window) if w is not None]
         window = min(windows) if windows else None
-        total = self.used + length
-        aligned = not any(self.starts)
+        used, starts = self._slots_seen(length)
+        total = used + length
+        aligned = not any(starts)
         if aligned and (window is None or total <= window):
             return "causal" if length > 1 else None
-        queries = mx.arange(self.used, total)[:, None]  # (L, 1) slots of the new tokens
+        queries = mx.arange(used, total)[:, None]  # (L, 1) slots of the new tokens
         slots = mx.arange(total)[None]  # (1, S)
         visible = slots <= queries
         if window is not None:
             visible = visible & (queries - slots < window)
         if aligned:
             return visible
-        starts = mx.array(self.starts)[:, None, None]  # (B, 1, 1)
+        starts = mx.array(starts)[:, None, None]  # (B, 1, 1)
         if window is None and length > 1:
             return CausalRows((slots[None] >= starts)[:, None])  # rows (B, 1, 1, S)
         return (visible[None] & (slots[None] >= starts))[:, None]  # (B, 1, L, S)
@@ -228,13 +241,14 @@ class BatchKVCache(BatchCache):
         sees its own row's keys up to itself in the same chunk of ``chunk`` positions,
         the chunks counted from each row's own position 0 (slot s of row b holds position
         ``offset[b] - used + s``: the rows end together)."""
-        total = self.used + length
+        used, starts = self._slots_seen(length)
+        total = used + length
         slots = mx.arange(total)
-        keys = self.offset[:, None] - self.used + slots[None]  # (B, S) each slot's position in its row
+        keys = self.offset[:, None] - used + slots[None]  # (B, S) each slot's position in its row
         queries = self.offset[:, None] + mx.arange(length)[None]  # (B, L)
         keys, queries = keys[:, None, :], queries[:, :, None]  # (B, 1, S), (B, L, 1)
         visible = (keys <= queries) & (keys // chunk == queries // chunk)
-        visible = visible & (slots >= mx.array(self.starts)[:, None])[:, None, :]  # never a row's empty slots
+        visible = visible & (slots >= mx.array(starts)[:, None])[:, None, :]  # never a row's empty slots
         if self.window is not None:
             visible = visible & (queries - keys < self.window)
         return visible[:, None]  # (B, 1, L, S)
@@ -246,7 +260,7 @@ class BatchKVCache(BatchCache):
     # -- rows joining and leaving ------------------------------------------------------------
     def select(self, rows: list[int]) -> "BatchKVCache":
         """A new cache of the given rows (in that order), without the slots none of them uses."""
-        chosen = BatchKVCache(self.window)
+        chosen = type(self)(self.window)  # a subclass (chunked layers) stays itself
         if not rows:
             return chosen
         index = mx.array(rows)

@@ -34,7 +34,9 @@ import mlx.core as mx
 from ..errors import UserError
 from ..generation.step import check_vocabulary, encode_prompt
 from ..generation.token_cache import TokenCache
-from .batch_cache import BatchCache, batch_caches
+from ..model.chunk_bound import chunk_bounded
+from .batch_cache import BatchCache, batch_cache_for
+from .batch_chunked_cache import BatchChunkedKVCache  # noqa: F401  (registers the batched cache of chunked layers)
 from .batch_state_cache import BatchStateCache  # noqa: F401  (registers the batched cache of recurrent layers)
 from .decode import DecodePipeline
 from .outputs import Outputs
@@ -63,8 +65,8 @@ class Engine:
         self.max_batch = max_batch
         self.max_kv_size = max_kv_size
         self.prefix_cache = PrefixCache(prompt_cache_bytes)
-        self._single_caches = model.make_cache(max_kv_size=max_kv_size)  # context_room reads their kind
-        kinds = batch_caches(model, max_kv_size)
+        self._single_caches = self._new_layers()  # context_room reads their kind
+        kinds = [batch_cache_for(layer) for layer in self._new_layers()]
         self.outputs = Outputs()
         self.scheduler = Scheduler(model, kinds, self.outputs, prefill_step_size)
         self.decoder = DecodePipeline(model, kinds, self.outputs, self._remember)
@@ -164,7 +166,7 @@ class Engine:
                     self.step()
                 except Exception as error:  # a bug in a round: fail what was in it, keep serving
                     log.exception("engine step failed")
-                    self.fail_admitted(error)
+                    self._round_failed(error)
         finally:
             self._shut_down()
             # MLX keeps per-thread streams and compile caches; a thread that exits without
@@ -194,6 +196,11 @@ class Engine:
         self.outputs.fail(self._prefilling + self._running, error)
         self.scheduler.group.clear()
         self.decoder.reset()
+
+    def _round_failed(self, error: Exception) -> None:
+        """A round raised ``error``: its rows end with it and the engine goes on (an engine
+        over a model split over ranks cannot: distributed/follow.py)."""
+        self.fail_admitted(error)
 
     def _shut_down(self) -> None:
         self._take_in()
@@ -226,13 +233,17 @@ class Engine:
         if prefilled is not None:
             self.decoder.join(*prefilled)
 
+    def _new_layers(self) -> list:
+        """Fresh single-sequence caches, one per layer (chunked layers bounded to a chunk)."""
+        return chunk_bounded(self.model, self.model.make_cache(max_kv_size=self.max_kv_size))
+
     def _remember(self, row: Row, caches: list[BatchCache], index: int) -> None:
         """Put the row's cache, with the tokens it holds, in the shared prefix cache; not
         when a layer no longer holds all of them (a window dropped some)."""
         fed = row.fed
         if self.prefix_cache.max_bytes == 0 or fed == 0 or not all(c.holds_all(index, fed) for c in caches):
             return
-        layers = self.model.make_cache(max_kv_size=self.max_kv_size)
+        layers = self._new_layers()
         for batched, single in zip(caches, layers):
             batched.export_row(index, single)
         mx.eval([layer.state for layer in layers])

@@ -10,8 +10,13 @@ the experts as transformers' attribute map does (``num_experts``, ``num_experts_
 
 The checkpoint keeps every feed-forward under ``block_sparse_moe`` (experts as
 ``experts.N.w1/w2/w3``) and each KDA convolution as PyTorch lays it out, (C, 1, K). The
-on-disk layout stacks the experts and stores the convolutions as MLX lays them out,
-(C, K, 1); ``kv_b_proj`` stays whole on disk and is split per head when loaded.
+on-disk layout is what mlx-lm's kimi_linear reads without renaming: the feed-forwards
+under ``mlp`` (experts stacked in ``switch_mlp``, the router's bias as
+``mlp.e_score_correction_bias``), each convolution as ``q_conv.conv`` laid out as MLX
+lays it out, (C, K, 1) (mlx-lm transposes every ``q_conv1d`` it reads, so the name tells
+it the layout), and Moonshot's ``linear_attn_config`` beside transformers' flat keys in
+config.json; ``kv_b_proj`` split per head (``embed_q``, ``unembed_out``), which mlx-lm
+reads as it is (a whole one, from folders written before, is split when loaded).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ..errors import UserError
 from .common import Architecture
 from .decoders import llama_args
 from .experts import moe_args, stack_experts
-from .latent import latent_fields, split_kv_b_when_loaded
+from .latent import latent_fields, per_head_kv_b, split_kv_b_when_loaded
 
 KDA_CONV = re.compile(r".*\.self_attn\.[qkv]_conv1d\.weight")
 KIMI_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -87,19 +92,59 @@ def kimi_layout(weights: dict) -> dict:
             for name, t in weights.items()}
 
 
+# The checkpoint's names -> the on-disk ones, mlx-lm's (applied once the experts are stacked).
+KIMI_ON_DISK = (
+    (re.compile(r"(.*)\.block_sparse_moe\.gate\.e_score_correction_bias"), r"\1.mlp.e_score_correction_bias"),
+    (re.compile(r"(.*)\.block_sparse_moe\.(.*)"), r"\1.mlp.\2"),
+    (re.compile(r"(.*)\.self_attn\.([qkv])_conv1d\.weight"), r"\1.self_attn.\2_conv.conv.weight"),
+)
+
+
+def on_disk_name(name: str) -> str:
+    for pattern, replacement in KIMI_ON_DISK:
+        if pattern.fullmatch(name):
+            return pattern.sub(replacement, name)
+    return name
+
+
 def kimi_experts(weights: dict, config: dict) -> dict:
-    """``block_sparse_moe.experts.N.w1/w2/w3`` -> stacked ``block_sparse_moe.switch_mlp.*``;
-    next-token-prediction layers (``model.mtp``) dropped."""
+    """``block_sparse_moe.experts.N.w1/w2/w3`` -> stacked ``mlp.switch_mlp.*``, the rest
+    under their on-disk names (``KIMI_ON_DISK``), ``kv_b_proj`` per head (as
+    deepseek_v3's); next-token-prediction layers (``model.mtp``) dropped."""
     kept = {name: t for name, t in weights.items() if not name.startswith("model.mtp.")}
-    return stack_experts(kept, config.get("num_experts") or config.get("num_local_experts"), KIMI_EXPERT_PROJECTIONS)
+    stacked = stack_experts(kept, config.get("num_experts") or config.get("num_local_experts"), KIMI_EXPERT_PROJECTIONS)
+    renamed = {on_disk_name(name): t for name, t in stacked.items()}
+    return per_head_kv_b(renamed, config["num_attention_heads"], config["qk_nope_head_dim"], config["kv_lora_rank"])
+
+
+def kimi_mlx_lm_keys(config: dict) -> dict:
+    """What mlx-lm's kimi_linear reads that transformers' config says in other keys:
+    Moonshot's ``linear_attn_config`` (1-based layer numbers), ``first_k_dense_replace``
+    when the dense layers are the first ones (mlx-lm has no other placement), and a
+    ``rope_theta`` it requires but never uses (no layer rotates)."""
+    linear = config.get("linear_attn_config") or {}
+    kinds = kimi_layer_types(config)
+    keys = {"linear_attn_config": {
+        **linear,
+        "kda_layers": [i + 1 for i, kind in enumerate(kinds) if kind == "kimi_delta_attention"],
+        "full_attn_layers": [i + 1 for i, kind in enumerate(kinds) if kind == "full_attention"],
+        "num_heads": linear.get("num_heads") or config.get("linear_num_heads", 32),
+        "head_dim": linear.get("head_dim") or config.get("linear_head_dim", 128),
+        "short_conv_kernel_size": linear.get("short_conv_kernel_size") or config.get("linear_conv_kernel_dim", 4),
+    }, "rope_theta": config.get("rope_theta", 10000.0)}
+    dense = dense_layers(config)
+    if dense == tuple(range(len(dense))):
+        keys["first_k_dense_replace"] = len(dense)
+    return keys
 
 
 KIMI_RENAMES = (
-    (r"(.*)\.block_sparse_moe\.gate\.e_score_correction_bias", r"\1.mlp.e_score_correction_bias"),
-    (r"(.*)\.block_sparse_moe\.shared_experts\.(.*)", r"\1.mlp.shared_expert.\2"),
+    (r"(.*)\.block_sparse_moe\.gate\.e_score_correction_bias", r"\1.mlp.e_score_correction_bias"),  # older folders
+    (r"(.*)\.(block_sparse_moe|mlp)\.shared_experts\.(.*)", r"\1.mlp.shared_expert.\3"),
     (r"(.*)\.block_sparse_moe\.(.*)", r"\1.mlp.\2"),
+    (r"(.*)\.self_attn\.([qkv])_conv\.conv\.weight", r"\1.self_attn.\2_conv1d.weight"),
 )
-KIMI_ROUTERS = r"model\.layers\.\d+\.block_sparse_moe\.gate"
+KIMI_ROUTERS = r"model\.layers\.\d+\.mlp\.gate"
 
 KIMI: dict[str, Architecture] = {
     "kimi_linear": Architecture(args=kimi_linear_args, renames=KIMI_RENAMES, layout=kimi_layout, experts=kimi_experts,

@@ -9,6 +9,7 @@ from .common import layer_type_rope_keys, period_of
 from .convolutions import lfm2_mlx_lm_keys
 from .decoders import GEMMA3_TEXT_DEFAULTS
 from .gemma4 import GEMMA4_TEXT_DEFAULTS, gemma4_layer_types, global_layer_shape
+from .kimi import kimi_mlx_lm_keys
 from .llama4 import LLAMA4_MLX_LM_CONFIG_KEYS
 from .qwen_vl import QWEN_VL_MLX_LM_KEYS
 from .state_space import STATE_SPACE_MLX_LM_KEYS
@@ -125,6 +126,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
     "minimax_m2": minimax_m2_mlx_lm_keys,
     **QWEN_VL_MLX_LM_KEYS,  # qwen_vl.py
+    "kimi_linear": kimi_mlx_lm_keys,
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "is_moe_layer": [t == "sparse" for t in config.get("mlp_layer_types") or []],

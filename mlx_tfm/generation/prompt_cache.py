@@ -21,6 +21,7 @@ from ..model.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
+from ..model.chunked_cache import ChunkedKVCache
 from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
 
@@ -85,6 +86,8 @@ def attention_cache_from_file(arrays: dict, i: int, meta: dict):
     and values (none before it was written)."""
     if meta["kind"] == "RotatingKVCache":
         layer_cache = RotatingKVCache(int(meta["max_size"]), int(meta["keep"]))
+    elif meta["kind"] == "ChunkedKVCache":  # Llama 4's chunked layers: their current chunk
+        layer_cache = ChunkedKVCache(int(meta["chunk"]))
     elif meta["kind"] == "QuantizedKVCache":
         group_size = None if meta["group_size"] is None else int(meta["group_size"])  # None: not quantized yet
         quantization = KVQuantization(int(meta["bits"]), group_size, int(meta["start"]))
@@ -99,7 +102,7 @@ def attention_cache_from_file(arrays: dict, i: int, meta: dict):
                         quantization.bits)
             for name in ("keys", "values")
         )
-    if meta["kind"] == "RotatingKVCache":
+    if meta["kind"] in ("RotatingKVCache", "ChunkedKVCache"):  # their positions are not 0 .. n - 1
         layer_cache.meta_state = meta
     return layer_cache
 

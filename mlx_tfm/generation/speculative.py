@@ -46,6 +46,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..model.cache import RotatingKVCache
+from ..model.chunk_bound import chunk_bounded
 from ..model.state_cache import StateCache
 from ..tokenizer import Tokenizer
 from .sampling import (
@@ -289,7 +290,7 @@ def speculative_tokens(prompt: mx.array, model, tokenizer: Tokenizer, cache: lis
         if draft_model.args.vocab_size < tokenizer.vocab_size:
             raise UserError(f"the draft model has {draft_model.args.vocab_size} token embeddings but the tokenizer "
                             f"{tokenizer.vocab_size} tokens: it needs the model's vocabulary")
-        draft_cache = draft_cache if draft_cache is not None else draft_model.make_cache()
+        draft_cache = draft_cache if draft_cache is not None else chunk_bounded(draft_model, draft_model.make_cache())
         check_rollback(draft_cache, "the draft model's")
         if draft_cache[0].offset != cache[0].offset:
             raise ValueError(f"the draft cache holds {draft_cache[0].offset} positions and the model's cache "
@@ -336,7 +337,7 @@ def speculative_generate_step(
     sampler = sampler or greedy
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculationStats()
-    cache = prompt_cache if prompt_cache is not None else model.make_cache()
+    cache = prompt_cache if prompt_cache is not None else chunk_bounded(model, model.make_cache())
     check_rollback(cache, "the model's")
     base = cache[0].offset
     for layer_cache in cache:

@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..model.cache import (
     RotatingKVCache,
 )
+from ..model.chunk_bound import chunk_bounded
 from ..model.state_cache import StateCache
 from ..tokenizer import Tokenizer
 from .sampling import LogitsProcessor, Sampler, greedy, log_normalizer
@@ -95,7 +96,7 @@ def generate_step(
     ``UserError``.
     """
     sampler = sampler or greedy
-    cache = prompt_cache if prompt_cache is not None else model.make_cache(max_kv_size)
+    cache = prompt_cache if prompt_cache is not None else chunk_bounded(model, model.make_cache(max_kv_size))
     for layer_cache in cache:
         # the prompt and every token yielded (the last one's forward pass is queued too)
         layer_cache.reserve(layer_cache.offset + prompt.shape[0] + max_tokens)

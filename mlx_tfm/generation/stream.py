@@ -19,6 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from ..model.cache import check_quantizable, quantized_layers
+from ..model.chunk_bound import chunk_bounded
 from ..tokenizer import Tokenizer
 from .images import bind_images
 from .settings import GenerationSettings
@@ -139,7 +140,7 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int] | mx.ar
     settings.sampling.check(model.args.vocab_size)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_prompt_tokens(prompt_tokens, model.args.vocab_size)
-    cache = prompt_cache if prompt_cache is not None else model.make_cache(settings.max_kv_size)
+    cache = prompt_cache if prompt_cache is not None else chunk_bounded(model, model.make_cache(settings.max_kv_size))
     kv_quantization = settings.kv_quantization()
     if kv_quantization is not None:
         check_quantizable(cache, kv_quantization, model.args.head_dim)

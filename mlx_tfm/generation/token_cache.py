@@ -26,6 +26,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..model.cache import KVQuantization, QuantizedKVCache, quantized_layers
+from ..model.chunk_bound import chunk_bounded
+from ..model.chunked_cache import ChunkedKVCache
 from ..model.mamba import ParallelCache
 from ..model.state_cache import StateCache
 from .prompt_cache import load_prompt_cache, save_prompt_cache
@@ -39,6 +41,14 @@ MAX_SNAPSHOTS = 8
 # The layer caches that keep a recurrent state, which no trim takes back: a recurrent
 # layer's own, and Falcon-H1's attention with a Mamba-2 state beside it.
 KEEPS_STATE = (StateCache, ParallelCache)
+
+
+def trims(layer, n: int) -> bool:
+    """Whether ``layer`` can forget its last ``n`` positions: a chunked-attention cache
+    only within the chunk it holds."""
+    if isinstance(layer, ChunkedKVCache):
+        return layer.can_trim(n)
+    return layer.is_trimmable()
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -76,20 +86,24 @@ class TokenCache:
     After feeding tokens through the model with ``layers`` as its cache, call
     ``record(tokens)``; after a generation that may have left the caches one token ahead
     of (or behind) the ids the caller knows, call ``reconcile(known)``. With
-    ``kv_quantization`` its layers are ``QuantizedKVCache``s (rotating ones stay float)."""
+    ``kv_quantization`` its layers are ``QuantizedKVCache``s (rotating ones stay float);
+    with ``chunk_bound``, Llama 4's chunked layers keep their current chunk only
+    (``ChunkedKVCache``: the CLI's generate and chat ask for it)."""
 
     def __init__(self, model, max_kv_size: int | None = None, layers: list | None = None, tokens: list[int] = (),
-                 kv_quantization: KVQuantization | None = None):
+                 kv_quantization: KVQuantization | None = None, chunk_bound: bool = False):
         self.model = model
         self.max_kv_size = max_kv_size
         self.kv_quantization = kv_quantization
+        self.chunk_bound = chunk_bound  # Llama 4's chunked layers kept to their chunk (chunk_bound.py)
         self.layers = layers if layers is not None else self._new_layers()
         self.tokens: list[int] = list(tokens)
         # position -> {layer index: a copy of that recurrent layer's StateCache there}
         self.snapshots: dict[int, dict[int, StateCache | ParallelCache]] = {}
 
     def _new_layers(self) -> list:
-        return quantized_layers(self.model.make_cache(max_kv_size=self.max_kv_size), self.kv_quantization)
+        layers = self.model.make_cache(max_kv_size=self.max_kv_size)
+        return quantized_layers(chunk_bounded(self.model, layers) if self.chunk_bound else layers, self.kv_quantization)
 
     @property
     def offset(self) -> int:
@@ -172,7 +186,7 @@ class TokenCache:
         """Trim the trimmable layers to ``position`` and put the snapshot's states back."""
         saved = self.snapshots[position]
         others = [(i, layer) for i, layer in enumerate(self.layers) if i not in saved]
-        if any(layer.offset < position or (layer.offset > position and not layer.is_trimmable())
+        if any(layer.offset < position or (layer.offset > position and not trims(layer, layer.offset - position))
                for _, layer in others):
             return False
         for _, layer in others:
@@ -191,7 +205,7 @@ class TokenCache:
         """Make every layer hold exactly the first ``length`` tokens; False (and nothing
         trusted) when a layer cannot (a rotating cache that has wrapped)."""
         excess = [layer.offset - length for layer in self.layers]
-        if any(n < 0 or (n and not layer.is_trimmable()) for n, layer in zip(excess, self.layers)):
+        if any(n < 0 or (n and not trims(layer, n)) for n, layer in zip(excess, self.layers)):
             return False
         for n, layer in zip(excess, self.layers):
             layer.trim(n)
@@ -229,7 +243,7 @@ class TokenCache:
             if layer.keys is not None:  # new arrays: the caches write into theirs in place
                 twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
             layers.append(twin)
-        twin = TokenCache(self.model, self.max_kv_size, layers, self.tokens, self.kv_quantization)
+        twin = TokenCache(self.model, self.max_kv_size, layers, self.tokens, self.kv_quantization, self.chunk_bound)
         twin.snapshots = dict(self.snapshots)  # their states are copied again when restored
         return twin
 

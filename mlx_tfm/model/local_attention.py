@@ -33,21 +33,12 @@ def chunked_mask(offset, length: int, chunk: int) -> mx.array | str | None:
     """The mask of ``length`` new queries after ``offset`` cached positions, over a cache
     that holds every position from 0 (``KVCache``): chunked, or plain causal while every
     position so far lies in the first chunk. One offset for every row only: batched
-    caches go through ``layer_chunked_mask``."""
+    caches go through ``chunked_cache.layer_chunked_mask``."""
     if not isinstance(offset, int):
         raise UserError("chunked attention (Llama 4) is not supported with batched caches")
     if offset + length <= chunk:
         return "causal" if length > 1 else None
     return chunk_mask(mx.arange(offset, offset + length), mx.arange(offset + length), chunk)
-
-
-def layer_chunked_mask(cache, length: int, chunk: int):
-    """The mask of a chunked layer's ``length`` new queries over its ``cache`` (None: no
-    cache). A batched cache (one offset per row, rows at different positions) builds it
-    from each row's own positions, so that each row's chunks start where its own do."""
-    if cache is not None and not isinstance(cache.offset, int):
-        return cache.make_mask(length, chunk=chunk)
-    return chunked_mask(cache.offset if cache is not None else 0, length, chunk)
 
 
 def l2_norm(x: mx.array, eps: float) -> mx.array:

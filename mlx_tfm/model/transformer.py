@@ -17,13 +17,13 @@ import mlx.nn as nn
 from ..cpu.switch import evaluates_each_sublayer
 from .attention import Attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
+from .chunked_cache import layer_chunked_mask
 from .config import ModelArgs
 from .experts import SparseMoeBlock, clamped_swiglu
 from .experts_beside_mlp import add_modules as add_beside_experts
 from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
-from .local_attention import layer_chunked_mask
 from .mamba import Mamba2Mixer, ParallelCache
 from .mixers import mixer_kind
 from .mrope import ExplicitPositions
@@ -378,7 +378,7 @@ class Model(nn.Module):
             if hasattr(layer.mixer, "make_cache"):  # a recurrent layer: its own fixed-size state
                 caches.append(layer.mixer.make_cache())
                 continue
-            if chunk is not None:  # Llama 4's chunked layers: their masks count positions from 0
+            if chunk is not None:  # Llama 4's chunked layers (chunk_bound.chunk_bounded bounds them)
                 caches.append(KVCache())
                 continue
             bound = min(b for b in (window, max_kv_size) if b is not None) if (window or max_kv_size) else None

@@ -69,8 +69,6 @@ MLX_LM_LACKS = ("arcee", "ministral", "qwen3_5_text", "qwen3_5_moe_text", "hunyu
 MLX_LM_NARROWER = {
     "llama4_text": "mlx-lm's llama4_text is a dense model (MobileLLM): tests/families/test_llama4.py",
     "llama4": "mlx-lm's llama4 takes one expert per token, no RoPE on every 4th layer: tests/families/test_llama4.py",
-    "kimi_linear": "mlx-lm's kimi_linear reads only Moonshot's config (linear_attn_config), which transformers "
-                   "does not write",
     "minimax": "mlx-lm's minimax is MiniMax-M2 (softmax attention only): tests/families/test_minimax_family.py",
 }
 IN_MLX_LM = sorted(name for name in TINY_CONFIGS
