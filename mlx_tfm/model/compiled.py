@@ -1,0 +1,111 @@
+"""Decoding steps with less Python: each layer's pure pieces through ``mx.compile``.
+
+A decoding step builds its graph anew for every token: for the 135M model some 460
+operations, each through several Python calls (module attribute look-ups, the CPU routes'
+checks of which kernel takes a layer). The pieces of a pre-norm block that never see the
+cache are pure functions of fixed shapes while one position is decoded:
+
+- ``heads``: ``input_layernorm``, then the q/k/v products and RoPE (the position an array
+  input, so one trace serves every step);
+- ``finish``: ``o_proj`` of attention's output, the residual, ``post_attention_layernorm``,
+  the MLP and its residual.
+
+``mx.compile`` traces each once and replays the recorded graph afterwards, so they are
+built in C++. The cache update and attention itself (whose length grows every step) stay
+plain calls between them, as do the embedding, the final norm and the head. The traced
+graph is made of the same operations, so the numbers are the same as the plain call's.
+
+``CompiledDecoder.takes(model)`` says which models this covers (plain pre-norm decoders
+of attention and dense MLP layers); the others decode through their own ``__call__``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cpu import on_cpu
+from .attention import Attention, attention
+from .layers import MLP
+from .transformer import Model
+
+
+def block_takes(layer) -> bool:
+    """Whether one block is the plain pre-norm attention + dense MLP form the pieces cover."""
+    plain_block = (layer.sublayers == "mixer+mlp" and layer.placement == "pre" and layer.residual
+                   and layer.residual_scale == 1.0 and not layer.per_layer_act and not layer.scales_output
+                   and not layer.experts_beside and "mamba" not in layer and "cross_attn" not in layer)
+    if not plain_block or layer.mixer_name != "self_attn" or type(layer.mlp) is not MLP:
+        return False
+    mixer = layer.mixer
+    return type(mixer) is Attention and not mixer.output_gate and not mixer.query_scale[0] \
+        and not mixer.reads_shared_kv
+
+
+class CompiledDecoder:
+    """``model(token (B, 1), cache=cache)`` for one position, each layer's cache-free pieces
+    compiled (traced on first use, once per state of the CPU switch)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._pieces: dict[bool, list] = {}
+
+    @staticmethod
+    def takes(model) -> bool:
+        """Whether ``model`` is a decoder whose every block the compiled pieces cover and
+        whose embeddings need nothing but the lookup (and a scale)."""
+        if type(model) is not Model:
+            return False
+        args = model.args
+        if args.kind != "decoder" or args.position_embedding not in ("rope", "none") or args.type_vocab_size:
+            return False
+        if args.embedding_norm or args.hidden_size_per_layer_input or args.num_kv_shared_layers:
+            return False
+        if args.relative_attention_num_buckets or not args.own_embeddings or args.cross_attention:
+            return False
+        if any(chunk is not None for chunk in model.model.chunks):
+            return False
+        return all(block_takes(layer) for layer in model.layers)
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        """Token ids (B, 1) -> logits (B, 1, vocab_size), ``cache`` advanced by one."""
+        stack = self.model.model
+        h = stack.embed_tokens(inputs)  # (B, 1, D)
+        if stack.args.embedding_scale is not None:
+            h = h * mx.array(stack.args.embedding_scale, dtype=h.dtype)
+        # every layer's mask before any cache moves, as the plain call computes them
+        masks = [layer_cache.make_mask(1, window) for layer_cache, window in zip(cache, stack.windows)]
+        offset = mx.array(cache[0].offset)  # an array: one trace serves every position
+        for (heads, finish), layer, layer_cache, mask in zip(self._layer_pieces(), stack.layers, cache, masks):
+            mixer = layer.self_attn
+            queries, keys, values = heads(h, offset)
+            keys, values = layer_cache.update_and_fetch(keys, values)
+            attended = attention(queries, keys, values, mixer.scale, mask, mixer.softcap, mixer.get("sinks"))
+            h = finish(h, attended)
+        if stack.args.final_norm:
+            h = stack.norm(h)
+        return self.model.head(h)
+
+    def _layer_pieces(self) -> list:
+        """(heads, finish) per layer, compiled for the CPU switch's current state: the
+        routes a trace took are baked into it."""
+        routes = on_cpu()
+        if routes not in self._pieces:
+            self._pieces[routes] = [compiled_pieces(layer) for layer in self.model.layers]
+        return self._pieces[routes]
+
+
+def compiled_pieces(layer) -> tuple:
+    """A block's two cache-free pieces, compiled with the block's arrays as implicit
+    inputs (read at every call, so updated weights are used; never baked in)."""
+    mixer = layer.self_attn
+
+    def heads(x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        # (B, 1, D) -> queries, keys, values (B, heads, 1, head_dim), rotated to offset
+        return tuple(mixer.heads(layer.input_layernorm(x), offset))
+
+    def finish(x: mx.array, attended: mx.array) -> mx.array:
+        # the block's residual stream x (B, 1, D); attended (B, n_heads, 1, head_dim)
+        h = x + mixer.output(attended)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return mx.compile(heads, inputs=[layer]), mx.compile(finish, inputs=[layer])
