@@ -17,9 +17,15 @@ graph is made of the same operations, so the numbers are the same as the plain c
 
 ``CompiledDecoder.takes(model)`` says which models this covers (plain pre-norm decoders
 of attention and dense MLP layers); the others decode through their own ``__call__``.
+``decoder_for(model)`` keeps one decoder per model, so a model is traced once, not once
+per reply; ``MLX_TFM_COMPILED_DECODE=0`` turns the route off (every step then goes
+through ``model(...)``, as before).
 """
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import mlx.core as mx
 
@@ -46,7 +52,8 @@ class CompiledDecoder:
     compiled (traced on first use, once per state of the CPU switch)."""
 
     def __init__(self, model):
-        self.model = model
+        # weakly: the registry below must not keep a model alive that its user dropped
+        self._model = weakref.ref(model)
         self._pieces: dict[bool, list] = {}
 
     @staticmethod
@@ -68,29 +75,30 @@ class CompiledDecoder:
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         """Token ids (B, 1) -> logits (B, 1, vocab_size), ``cache`` advanced by one."""
-        stack = self.model.model
+        model = self._model()
+        stack = model.model
         h = stack.embed_tokens(inputs)  # (B, 1, D)
         if stack.args.embedding_scale is not None:
             h = h * mx.array(stack.args.embedding_scale, dtype=h.dtype)
         # every layer's mask before any cache moves, as the plain call computes them
         masks = [layer_cache.make_mask(1, window) for layer_cache, window in zip(cache, stack.windows)]
-        offset = mx.array(cache[0].offset)  # an array: one trace serves every position
         for (heads, finish), layer, layer_cache, mask in zip(self._layer_pieces(), stack.layers, cache, masks):
             mixer = layer.self_attn
-            queries, keys, values = heads(h, offset)
+            # the position as an array: one trace serves every step
+            queries, keys, values = heads(h, mx.array(layer_cache.offset))
             keys, values = layer_cache.update_and_fetch(keys, values)
             attended = attention(queries, keys, values, mixer.scale, mask, mixer.softcap, mixer.get("sinks"))
             h = finish(h, attended)
         if stack.args.final_norm:
             h = stack.norm(h)
-        return self.model.head(h)
+        return model.head(h)
 
     def _layer_pieces(self) -> list:
         """(heads, finish) per layer, compiled for the CPU switch's current state: the
         routes a trace took are baked into it."""
         routes = on_cpu()
         if routes not in self._pieces:
-            self._pieces[routes] = [compiled_pieces(layer) for layer in self.model.layers]
+            self._pieces[routes] = [compiled_pieces(layer) for layer in self._model().layers]
         return self._pieces[routes]
 
 
@@ -109,3 +117,24 @@ def compiled_pieces(layer) -> tuple:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     return mx.compile(heads, inputs=[layer]), mx.compile(finish, inputs=[layer])
+
+
+ENV_VAR = "MLX_TFM_COMPILED_DECODE"
+_enabled = os.environ.get(ENV_VAR, "1") != "0"
+# id(model) -> (the ids of its modules when its decoder was made, the decoder)
+_DECODERS: dict[int, tuple[tuple[int, ...], CompiledDecoder]] = {}
+
+
+def decoder_for(model) -> CompiledDecoder | None:
+    """The model's compiled decoder, made once per model and again when its modules were
+    swapped since (adapters applied or fused, CPU layers specialized: a trace holds the
+    modules it ran through); None where the route is off or does not take the model."""
+    if not _enabled or not CompiledDecoder.takes(model):
+        return None
+    modules = tuple(id(module) for module in model.modules())
+    held = _DECODERS.get(id(model))
+    if held is None:
+        weakref.finalize(model, _DECODERS.pop, id(model), None)
+    if held is None or held[0] != modules:
+        held = _DECODERS[id(model)] = (modules, CompiledDecoder(model))
+    return held[1]
