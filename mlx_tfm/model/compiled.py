@@ -11,7 +11,7 @@ cache are pure functions of fixed shapes while one position is decoded:
   the MLP and its residual.
 
 ``mx.compile`` traces each once and replays the recorded graph afterwards, so they are
-built in C++. The cache update and attention itself (whose length grows every step) stay
+built in C++; one block's ``finish`` and the next block's ``heads`` are one compiled call. The cache update and attention itself (whose length grows every step) stay
 plain calls between them, as do the embedding, the final norm and the head. The traced
 graph is made of the same operations, so the numbers are the same as the plain call's.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import partial
 
 import mlx.core as mx
 
@@ -80,43 +81,62 @@ class CompiledDecoder:
         h = stack.embed_tokens(inputs)  # (B, 1, D)
         if stack.args.embedding_scale is not None:
             h = h * mx.array(stack.args.embedding_scale, dtype=h.dtype)
-        # every layer's mask before any cache moves, as the plain call computes them
+        # every layer's mask and position before any cache moves, as the plain call has them;
+        # the positions as arrays: one trace serves every step
         masks = [layer_cache.make_mask(1, window) for layer_cache, window in zip(cache, stack.windows)]
-        for (heads, finish), layer, layer_cache, mask in zip(self._layer_pieces(), stack.layers, cache, masks):
+        offsets = [mx.array(layer_cache.offset) for layer_cache in cache]
+        first, *joins, last = self._pieces_now()
+        queries, keys, values = first(h, offsets[0])
+        for i, (layer, layer_cache, mask) in enumerate(zip(stack.layers, cache, masks)):
             mixer = layer.self_attn
-            # the position as an array: one trace serves every step
-            queries, keys, values = heads(h, mx.array(layer_cache.offset))
             keys, values = layer_cache.update_and_fetch(keys, values)
             attended = attention(queries, keys, values, mixer.scale, mask, mixer.softcap, mixer.get("sinks"))
-            h = finish(h, attended)
+            if i < len(joins):
+                h, queries, keys, values = joins[i](h, attended, offsets[i + 1])
+        h = last(h, attended)
         if stack.args.final_norm:
             h = stack.norm(h)
         return model.head(h)
 
-    def _layer_pieces(self) -> list:
-        """(heads, finish) per layer, compiled for the CPU switch's current state: the
-        routes a trace took are baked into it."""
+    def _pieces_now(self) -> list:
+        """The compiled pieces for the CPU switch's current state (the routes a trace took
+        are baked into it): the first layer's heads, one join per pair of neighbouring
+        layers, the last layer's finish."""
         routes = on_cpu()
         if routes not in self._pieces:
-            self._pieces[routes] = [compiled_pieces(layer) for layer in self._model().layers]
+            self._pieces[routes] = compiled_pieces(self._model().layers)
         return self._pieces[routes]
 
 
-def compiled_pieces(layer) -> tuple:
-    """A block's two cache-free pieces, compiled with the block's arrays as implicit
-    inputs (read at every call, so updated weights are used; never baked in)."""
-    mixer = layer.self_attn
+def block_heads(layer, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The block's input norm, q/k/v products and RoPE: (B, 1, D) -> queries, keys, values
+    (B, heads, 1, head_dim)."""
+    return tuple(layer.self_attn.heads(layer.input_layernorm(x), offset))
 
-    def heads(x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        # (B, 1, D) -> queries, keys, values (B, heads, 1, head_dim), rotated to offset
-        return tuple(mixer.heads(layer.input_layernorm(x), offset))
 
-    def finish(x: mx.array, attended: mx.array) -> mx.array:
-        # the block's residual stream x (B, 1, D); attended (B, n_heads, 1, head_dim)
-        h = x + mixer.output(attended)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+def block_finish(layer, x: mx.array, attended: mx.array) -> mx.array:
+    """The block's residual stream x (B, 1, D) after attention's output (B, n_heads, 1,
+    head_dim): o_proj, its residual, the post-attention norm, the MLP and its residual."""
+    h = x + layer.self_attn.output(attended)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    return mx.compile(heads, inputs=[layer]), mx.compile(finish, inputs=[layer])
+
+def compiled_pieces(layers: list) -> list:
+    """``[heads of layer 0, join 0-1, ..., join (N-2)-(N-1), finish of layer N-1]``, where a
+    join finishes one block and starts the next (one compiled call instead of two). Each
+    is compiled with its blocks' arrays as implicit inputs: read at every call, so updated
+    weights are used, never baked in."""
+
+    def join(before, after):
+        def finish_then_heads(x: mx.array, attended: mx.array, offset: mx.array):
+            h = block_finish(before, x, attended)
+            return (h, *block_heads(after, h, offset))
+
+        return mx.compile(finish_then_heads, inputs=[before, after])
+
+    first = mx.compile(partial(block_heads, layers[0]), inputs=[layers[0]])
+    last = mx.compile(partial(block_finish, layers[-1]), inputs=[layers[-1]])
+    return [first, *(join(a, b) for a, b in zip(layers, layers[1:])), last]
 
 
 ENV_VAR = "MLX_TFM_COMPILED_DECODE"
