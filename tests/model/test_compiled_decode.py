@@ -12,6 +12,7 @@ import pytest
 from mlx_tfm.cpu import generic_routes, specialize
 from mlx_tfm.generation.step import generate_step
 from mlx_tfm.model import compiled
+from mlx_tfm.model.cache import KVQuantization, QuantizedKVCache
 from mlx_tfm.model.compiled import CompiledDecoder, decoder_for
 from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.model.transformer import Model
@@ -124,3 +125,16 @@ def test_generate_step_decodes_through_the_compiled_pieces(monkeypatch):
     got = [token for token, _ in generate_step(PROMPT[0], model, max_tokens=16)]
     assert got == want
     assert len(calls) == 17  # the prompt's last token and every yielded one (the last queued too)
+
+
+def test_a_quantized_kv_cache_decodes_the_same():
+    """Quantized keys and values (past ``start``) meet attention outside the compiled pieces."""
+    model = tiny_model(hidden_size=128)  # head_dim 32: a KV group size fits
+
+    def quantized_cache():
+        return [QuantizedKVCache(KVQuantization(bits=8, start=8)) for _ in model.layers]
+
+    want, want_logits = greedy_decode(plain(model), model, steps=12, cache=quantized_cache())
+    got, got_logits = greedy_decode(CompiledDecoder(model), model, steps=12, cache=quantized_cache())
+    assert got == want
+    np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), atol=1e-5, rtol=1e-5)
