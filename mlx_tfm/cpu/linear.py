@@ -199,7 +199,9 @@ def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = Fal
     layout = {} if heads is None else {"heads": list(heads)}
     if rope is not None:
         offset, periods, dims, traditional, scale = rope
-        layout.update(offset=mx.array(offset), freqs=periods, rope_dims=dims, traditional=traditional,
+        # an array offset as it is: a copy would be one more operation per layer and step
+        offset = offset if isinstance(offset, mx.array) else mx.array(offset)
+        layout.update(offset=offset, freqs=periods, rope_dims=dims, traditional=traditional,
                       rope_scale=scale)
     rows = x.size // x.shape[-1]
     kind = type(layers[0])

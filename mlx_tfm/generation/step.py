@@ -18,6 +18,7 @@ from ..model.cache import (
     RotatingKVCache,
 )
 from ..model.chunk_bound import chunk_bounded
+from ..model.compiled import decoder_for
 from ..model.state_cache import StateCache
 from ..tokenizer import Tokenizer
 from .sampling import LogitsProcessor, Sampler, greedy, log_normalizer
@@ -133,10 +134,18 @@ def make_step(model, cache: list, sampler: Sampler, logits_processors: list[Logi
         logprobs = logits - log_norm
         return sampler(logprobs), logprobs[0], log_norm
 
+    decoder = decoder_for(model)  # each block's cache-free pieces compiled (model/compiled.py)
+
+    def forward(token: mx.array) -> mx.array:
+        """token (1,) -> logits (1, V) of the next position."""
+        inputs = token[None]  # (1, 1)
+        logits = decoder(inputs, cache) if decoder is not None and inputs.shape[1] == 1 else model(inputs, cache=cache)
+        return logits[:, -1, :]
+
     if not logits_processors:
 
         def step(token):
-            return sample(model(token[None], cache=cache)[:, -1, :])  # logits (1, V)
+            return sample(forward(token))
 
         return step
 
@@ -145,7 +154,7 @@ def make_step(model, cache: list, sampler: Sampler, logits_processors: list[Logi
     def step_with_processors(token):
         context = mx.concatenate([*history, token])
         history[:] = [context]
-        logits = model(token[None], cache=cache)[:, -1, :]
+        logits = forward(token)
         for processor in logits_processors:
             logits = processor(context, logits)
         return sample(logits)

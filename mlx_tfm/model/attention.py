@@ -206,13 +206,26 @@ class Attention(nn.Module):
         if self.output_gate:
             queries, keys, values, gate = self._gated_heads(x, where)
         else:
-            ready = self._decoding_heads(x, offset) if L == 1 and positions is None else None
-            queries, keys, values = ready or self._heads(x, where)
+            # M-RoPE's explicit positions take the unfused route; else one position may fuse
+            queries, keys, values = self.heads(x, offset) if positions is None else self._heads(x, where)
         if self.query_scale[0]:
             queries = queries * query_position_scale(offset, L, *self.query_scale).astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = attention(queries, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
+        return self.output(out, gate)
+
+    def heads(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """The part of a call before the cache (ungated attention): queries, keys and values
+        (B, heads, L, head_dim) of x (B, L, D), rotated to their positions from ``offset``;
+        one position through the CPU kernels' fused route where it takes the layer."""
+        ready = self._decoding_heads(x, offset) if x.shape[1] == 1 else None
+        return ready or self._heads(x, offset)
+
+    def output(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
+        """The part after attention: its output (B, n_heads, L, head_dim), gated where the
+        layer has an output gate, through ``o_proj`` -> (B, L, D)."""
+        B, _, L, _ = out.shape
         # (B, n_heads, L, head_dim) -> (B, L, n_heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
