@@ -149,11 +149,23 @@ def split_product(x: mx.array, weight: mx.array) -> mx.array:
     return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, weight.shape[0])
 
 
+def dense_half_product(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ W.T`` for a chunk of positions and a float16 / bfloat16 W, in one call of
+    mlx_tfm's kernels: x made float32 once, W's rows made float32 a block at a time (F16C,
+    or a shift for bfloat16) into one reused buffer and multiplied by float32 BLAS, each
+    block's outputs rounded into place. No float32 copy of W exists, and the graph holds
+    one operation where ``float32_product`` holds three per block."""
+    return kernels().matvec(x, weight, dense=True).astype(x.dtype)
+
+
 def half_product(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ W.T`` for a float16 / bfloat16 W: in float32 by blocks for a chunk of
-    positions, else as stored with W's rows split over the CPU streams."""
+    positions (``dense_half_product`` where mlx_tfm's kernels and BLAS are at hand), else as
+    stored with W's rows split over the CPU streams."""
     if x.size // x.shape[-1] < DENSE_FROM_ROWS:
         return split_product(x, weight)
+    if kernels() is not None and kernels().blas_found():
+        return dense_half_product(x, weight)
 
     def float32_rows(start: int, stop: int, after: mx.array) -> mx.array:
         return mx.depends(weight[start:stop], after).astype(mx.float32)
