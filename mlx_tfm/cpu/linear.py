@@ -5,9 +5,10 @@ its ``quantized_matmul`` runs on one core and only with float32 scales, and floa
 bfloat16 products have no BLAS and run on one core too. So on the CPU:
 
 - a chunk of positions (a prompt, a training batch) multiplies in float32, the weight
-  made float32 just in time a block of rows at a time (``float32_product``; for a
-  quantized layer mlx_tfm's kernels take, inside one kernel call into one reused buffer:
-  ``dense_quantized_product``);
+  made float32 just in time a block of rows at a time (``float32_product``; inside one
+  kernel call into one reused buffer where mlx_tfm's kernels are in use:
+  ``dense_half_product`` for float16 / bfloat16 weights, ``dense_quantized_product`` for
+  the quantized layers they take);
 - a few positions (decoding) keep the stored weight but split its rows over one CPU
   stream per core (``rows_in_parallel``): MLX runs each stream on a thread of its own.
   Quantized scales become float32 just in time.
