@@ -217,3 +217,43 @@ def test_every_instruction_set_converts_and_rounds_alike(isa):
     assert report["isa"] == isa
     assert all(error <= 2.0**-7 for error in report["errors"].values()), report
     assert report["rounds_as_mlx"] == {"float16": True, "bfloat16": True}
+
+
+class Experts(nn.Module):
+    """A stacked layer of experts (experts, out, in), as SwitchGLU's projections hold them."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None):
+        super().__init__()
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("count", [DENSE_FROM_ROWS + 7, 5])
+@pytest.mark.parametrize("bias", [True, False])
+def test_half_experts_of_a_chunk_take_the_kernel(dtype, count, bias, monkeypatch):
+    """by_expert's product of one expert's rows: the dense kernel for a chunk's share, the
+    decoding kernel for a few rows; float32 arithmetic on the same values either way, and
+    the MLX-ops blocks without the kernels give the same numbers."""
+    import mlx_tfm.cpu.experts as cpu_experts
+
+    layer = Experts(mx.random.normal((3, 45, 70)).astype(HALVES[dtype]),
+                    mx.random.normal((3, 45)).astype(HALVES[dtype]) if bias else None)
+    rows = mx.random.normal((count, 70)).astype(HALVES[dtype])
+    calls = []
+
+    class Counting:  # the kernels module, counting calls
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append((name, kwargs.get("dense"))) or getattr(K, name)(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_experts, "kernels", lambda: Counting())
+    ours = cpu_experts.expert_product(rows, layer, 1)
+    assert calls == [("blas_found", None), ("matvec", count >= DENSE_FROM_ROWS)]
+    if not bias:
+        assert_within_float32_rounding(ours, rows, layer.weight[1])
+    monkeypatch.setattr(cpu_experts, "kernels", lambda: None)
+    blocks = cpu_experts.expert_product(rows, layer, 1)
+    assert ours.dtype == blocks.dtype == HALVES[dtype] and ours.shape == blocks.shape == (count, 45)
+    np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(blocks.astype(mx.float32)),
+                               atol=2e-2, rtol=2e-2)
