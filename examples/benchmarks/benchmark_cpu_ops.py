@@ -2,9 +2,16 @@
 mlx_tfm's kernels: RMSNorm, RoPE, silu(gate) * up, the log-sum-exp over the vocabulary,
 one query's attention over the cache and a 4-bit feed-forward product, for 1 and 16 rows
 of the 135M Llama shape (models.py); a prompt's causal attention (as many
-queries as positions); and 16 rows through the 4-bit tied head.
+queries as positions); and 16 rows through the 4-bit tied head. Then the 16-bit products at
+SmolLM2-1.7B's shapes (2048 -> 2048, 2048 -> 8192, 8192 -> 2048), float16 and bfloat16
+weights: a prompt's ``--half-rows`` rows and one decoding row, through MLX's plain route
+(``x @ W.T`` in the weight's dtype, what runs with the CPU routes off), through mlx_tfm's CPU
+route (``mlx_tfm.cpu.linear.half_product``) and as numpy's float32 product of the same values
+(the BLAS ceiling), the three alternated in each of ``--rounds`` rounds; a decoding row
+cycles through 4 distinct weights, so that it reads them from memory as a model does.
 
     python examples/benchmarks/benchmark_cpu_ops.py
+    python examples/benchmarks/benchmark_cpu_ops.py --section half --rounds 2
 
 Each op runs ``--calls`` times on distinct inputs in one graph (an input plus a small
 offset, so no call reuses another's result and no value drifts into subnormals), minus
@@ -23,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tfm.cpu.kernels import kernels, status
+from mlx_tfm.cpu.linear import half_product
 from mlx_tfm.model.layers import fused_rms_norm, gated_activation
 from mlx_tfm.model.positions import fused_rope
 from models import LLAMA_135M
@@ -92,13 +100,72 @@ def prompt_attention(positions: int):
             mx.random.normal((1, HEADS, positions, HEAD_DIM)))
 
 
+# SmolLM2-1.7B's products: (inputs, outputs) of attention's, the FFN's up and its down.
+HALF_SHAPES = ((2048, 2048), (2048, 8192), (8192, 2048))
+
+
+def best_ms(op, repeats: int) -> float:
+    """The fastest of ``repeats`` evaluations of ``op()``, in milliseconds (after one warm-up)."""
+    mx.eval(op())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(op())
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def numpy_ms(x: np.ndarray, weights: list[np.ndarray], repeats: int) -> float:
+    """The fastest of ``repeats`` rounds of ``x @ W.T`` over ``weights``, per product."""
+    times = []
+    for _ in range(repeats + 1):  # the first a warm-up
+        start = time.perf_counter()
+        for weight in weights:
+            x @ weight.T
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3 / len(weights)
+
+
+def half_products(rows: int, rounds: int) -> None:
+    """The table of 16-bit products: MLX's plain route, mlx_tfm's, numpy's float32 sgemm."""
+    print(f"cpu kernels: {status()}; 16-bit products at SmolLM2-1.7B's shapes, milliseconds (best of 2 per round, "
+          "MLX's plain route once for a prompt)\n")
+    print("| round | weight | in -> out | rows | MLX plain | mlx_tfm | numpy float32 | mlx_tfm vs plain "
+          "| numpy / mlx_tfm |\n|---|---|---|---|---|---|---|---|---|")
+    for round_ in range(1, rounds + 1):
+        for in_dims, out_dims in HALF_SHAPES:
+            for dtype in (mx.float16, mx.bfloat16):
+                # A decoding row streams its weights from memory: 4 distinct ones, more than a cache holds.
+                weights = [(mx.random.normal((out_dims, in_dims)) * 0.02).astype(dtype) for _ in range(4)]
+                weights32 = [np.array(weight.astype(mx.float32)) for weight in weights]
+                for count in (rows, 1):
+                    used = weights[:1] if count > 1 else weights
+                    x = mx.random.normal((count, in_dims)).astype(dtype)
+                    mx.eval(weights, x)
+                    plain = best_ms(lambda: [x @ w.T for w in used], 1 if count > 1 else 5) / len(used)
+                    ours = best_ms(lambda: [half_product(x, w) for w in used], 2 if count > 1 else 10) / len(used)
+                    x32 = np.array(x.astype(mx.float32))
+                    ceiling = numpy_ms(x32, weights32[: len(used)], 2 if count > 1 else 10)
+                    name = "float16" if dtype == mx.float16 else "bfloat16"
+                    print(f"| {round_} | {name} | {in_dims} -> {out_dims} | {count} | {plain:.2f} | {ours:.2f} "
+                          f"| {ceiling:.2f} | {plain / ours:.1f}x | {ceiling / ours:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--positions", type=int, default=170, help="cached positions the attention reads")
+    parser.add_argument("--section", choices=("all", "ops", "half"), default="all",
+                        help="the decoding step's small ops, the 16-bit products, or both")
+    parser.add_argument("--half-rows", type=int, default=512, help="a prompt's rows through the 16-bit products")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the 16-bit products")
     args = parser.parse_args()
     if kernels() is None:
         raise SystemExit(f"error: mlx_tfm's CPU kernels are {status()}")
+    if args.section != "ops":
+        half_products(args.half_rows, args.rounds)
+    if args.section == "half":
+        return
     print(f"cpu kernels: {status()}; {args.calls} calls each, microseconds per call\n")
     print(f"| op | rows | MLX | mlx_tfm kernel | ratio |\n|---|---|---|---|---|")
     for rows in (1, 16):

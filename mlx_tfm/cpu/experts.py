@@ -125,7 +125,15 @@ def expert_rows(layer: nn.Module, expert: int):
 
 
 def expert_product(rows: mx.array, layer: nn.Module, expert: int) -> mx.array:
-    y = float32_product(rows, expert_rows(layer, expert), layer["weight"].shape[1])
+    """rows (count, in) @ W_expert.T (+ its bias): for 16-bit experts one call of mlx_tfm's
+    kernels (float32 BLAS over blocks of the expert's rows made float32 for a chunk, the
+    weight read as stored for a few rows), else float32 blocks of MLX ops."""
+    weight = layer["weight"]
+    if is_half(weight) and kernels() is not None and kernels().blas_found():
+        dense = rows.shape[0] >= DENSE_FROM_ROWS
+        y = kernels().matvec(rows, weight[expert], dense=dense).astype(rows.dtype)
+    else:
+        y = float32_product(rows, expert_rows(layer, expert), weight.shape[1])
     return y + layer["bias"][expert].astype(y.dtype) if "bias" in layer else y
 
 

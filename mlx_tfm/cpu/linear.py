@@ -5,9 +5,10 @@ its ``quantized_matmul`` runs on one core and only with float32 scales, and floa
 bfloat16 products have no BLAS and run on one core too. So on the CPU:
 
 - a chunk of positions (a prompt, a training batch) multiplies in float32, the weight
-  made float32 just in time a block of rows at a time (``float32_product``; for a
-  quantized layer mlx_tfm's kernels take, inside one kernel call into one reused buffer:
-  ``dense_quantized_product``);
+  made float32 just in time a block of rows at a time (``float32_product``; inside one
+  kernel call into one reused buffer where mlx_tfm's kernels are in use:
+  ``dense_half_product`` for float16 / bfloat16 weights, ``dense_quantized_product`` for
+  the quantized layers they take);
 - a few positions (decoding) keep the stored weight but split its rows over one CPU
   stream per core (``rows_in_parallel``): MLX runs each stream on a thread of its own.
   Quantized scales become float32 just in time.
@@ -149,11 +150,23 @@ def split_product(x: mx.array, weight: mx.array) -> mx.array:
     return rows_in_parallel(lambda start, stop: x @ weight[start:stop].T, weight.shape[0])
 
 
+def dense_half_product(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ W.T`` for a chunk of positions and a float16 / bfloat16 W, in one call of
+    mlx_tfm's kernels: x made float32 once, W's rows made float32 a block at a time (F16C,
+    or a shift for bfloat16) into one reused buffer and multiplied by float32 BLAS, each
+    block's outputs rounded into place. No float32 copy of W exists, and the graph holds
+    one operation where ``float32_product`` holds three per block."""
+    return kernels().matvec(x, weight, dense=True).astype(x.dtype)
+
+
 def half_product(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ W.T`` for a float16 / bfloat16 W: in float32 by blocks for a chunk of
-    positions, else as stored with W's rows split over the CPU streams."""
+    positions (``dense_half_product`` where mlx_tfm's kernels and BLAS are at hand), else as
+    stored with W's rows split over the CPU streams."""
     if x.size // x.shape[-1] < DENSE_FROM_ROWS:
         return split_product(x, weight)
+    if kernels() is not None and kernels().blas_found():
+        return dense_half_product(x, weight)
 
     def float32_rows(start: int, stop: int, after: mx.array) -> mx.array:
         return mx.depends(weight[start:stop], after).astype(mx.float32)

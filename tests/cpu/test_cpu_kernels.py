@@ -848,7 +848,7 @@ def test_info_names_the_kernels_in_use():
 # -- the layers route decoding through the kernels -----------------------------------------
 
 
-def test_decoding_products_take_the_kernels_and_prompt_chunks_do_not(monkeypatch):
+def test_decoding_products_and_prompt_chunks_take_the_kernels(monkeypatch):
     import mlx.nn as nn
 
     from mlx_tfm.cpu import linear
@@ -874,10 +874,11 @@ def test_decoding_products_take_the_kernels_and_prompt_chunks_do_not(monkeypatch
     mx.eval(embedding(mx.array([[3, 7]])))
     assert calls == ["quantized_matvec", "matvec", "matvec", "quantized_matvec", "matvec", "quantized_rows"]
     mx.eval(quantized(random((1, 40, 128))), half(random((1, 40, 128), mx.float16)))
-    assert calls[6:] == ["quantized_matvec"]  # 40 positions: a quantized layer stays on its kernel
+    # 40 positions: a quantized layer stays on its kernel; a 16-bit one takes the dense route
+    assert calls[6:] == ["quantized_matvec", "blas_found", "matvec"]
     mx.eval(quantized(random((1, 100, 128))), half(random((1, 100, 128), mx.float16)))
-    # prompt chunks: float32 BLAS over blocks of the weight dequantized by the kernel
-    assert calls[7:] == ["blas_found", "quantized_matvec"]
+    # prompt chunks: float32 BLAS over blocks of the weight dequantized (made float32) by the kernel
+    assert calls[9:] == ["blas_found", "quantized_matvec", "blas_found", "matvec"]
 
 
 def test_a_model_decodes_the_same_with_and_without_kernels():

@@ -43,8 +43,10 @@ class RouteSpy:
 
     def __init__(self, monkeypatch):
         self.calls = {"rows_in_parallel": 0, "float32_product": 0, "float32_decode_product": 0,
-                      "dense_quantized_product": 0, "query_blocks": 0, "kernel_attention": 0}
-        for name in ("rows_in_parallel", "float32_product", "float32_decode_product", "dense_quantized_product"):
+                      "dense_quantized_product": 0, "dense_half_product": 0, "query_blocks": 0,
+                      "kernel_attention": 0}
+        for name in ("rows_in_parallel", "float32_product", "float32_decode_product", "dense_quantized_product",
+                     "dense_half_product"):
             monkeypatch.setattr(cpu_linear, name, self._counting(name, getattr(cpu_linear, name)))
         monkeypatch.setattr(attention_module, "attention_by_query_blocks",
                             self._counting("query_blocks", attention_module.attention_by_query_blocks))

@@ -3,9 +3,11 @@
 at hand; sources and CMakeLists.txt beside this file).
 
 The products of a few positions (decoding) that MLX's CPU backend runs slowly or on one
-core: ``matvec`` (float32 / float16 / bfloat16 weights), ``quantized_matvec`` (MLX's affine
-4- and 8-bit layout, group 32/64/128, float32 or half-precision scales; ``dense=True`` for a
-prompt: float32 BLAS over blocks of dequantized rows, in one call), ``fused_products``
+core: ``matvec`` (float32 / float16 / bfloat16 weights; ``dense=True`` for a prompt: x made
+float32 once, float32 BLAS over blocks of the weight's rows made float32, in one call),
+``quantized_matvec`` (MLX's affine 4- and 8-bit layout, group 32/64/128, float32 or
+half-precision scales; ``dense=True`` for a prompt: float32 BLAS over blocks of dequantized
+rows, in one call), ``fused_products``
 (several products of one input in one call: q/k/v, optionally in attention's layout with
 RoPE applied; gate/up with silu on the way out) and ``quantized_rows`` (a quantized
 embedding lookup); attention (``attention``: a decoding step's query, a prompt's causal
@@ -40,7 +42,7 @@ ENV_VAR = "MLX_TFM_KERNELS"
 ISA_VAR = "MLX_TFM_KERNELS_ISA"
 # The functions of the extension this module calls, by version (bindings.cpp's ``interface``;
 # builds from before it had none: version 1).
-INTERFACE = 2
+INTERFACE = 3
 
 
 def _loaded() -> tuple[ModuleType | None, str]:

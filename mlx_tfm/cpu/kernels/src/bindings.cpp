@@ -22,8 +22,9 @@ namespace k = mlx_tfm_kernels;
 
 NB_MODULE(_kernels, m) {
   m.doc() = "mlx_tfm's CPU kernels as MLX operations (see mlx_tfm/cpu/kernels/__init__.py).";
-  m.def("matvec", &k::matvec, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x (..., k) @ w.T for a float32/float16/bfloat16 w (n, k).");
+  m.def("matvec", &k::matvec, "x"_a, "w"_a, nb::kw_only(), "dense"_a = false, "stream"_a = nb::none(),
+        "x (..., k) @ w.T for a float32/float16/bfloat16 w (n, k); dense: through float32 BLAS by blocks of "
+        "w's rows made float32 (many positions).");
   m.def("quantized_matvec", &k::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "dense"_a = false, "stream"_a = nb::none(),
         "x (..., k) @ dequantize(w).T for MLX's affine 4/8-bit layout; dense: through float32 BLAS by blocks "
@@ -67,6 +68,6 @@ NB_MODULE(_kernels, m) {
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,
   // so a library built from older sources is not used until it is rebuilt.
-  m.attr("interface") = 2;
+  m.attr("interface") = 3;
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
 }

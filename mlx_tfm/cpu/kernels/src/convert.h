@@ -33,4 +33,22 @@ static inline float half_to_float(uint16_t h) {
 
 static inline float bf16_to_float(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
 
+// binary32 -> bfloat16 bits, to nearest with ties to even; a NaN as the quiet NaN 0x7FC0
+// (MLX's rounding).
+static inline uint16_t float_to_bf16(float v) {
+  if (v != v) return 0x7FC0u;
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// binary32 -> binary16 bits, to nearest with ties to even (the compiler's own conversion:
+// F16C where the file is built with it, else its library's exact routine).
+static inline uint16_t float_to_half(float v) {
+  const _Float16 h = static_cast<_Float16>(v);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
 }  // namespace mlx_tfm_kernels

@@ -81,6 +81,11 @@ struct Kernels {
                         int64_t r1);
   // out[r] = log(sum(e^x[r, :])) for rows [r0, r1) of x (rows, n); NaN for a row with a NaN.
   void (*logsumexp_rows)(const float* x, int64_t n, float* out, int64_t r0, int64_t r1);
+  // Rows [r0, r1) of a row-major (rows, k) matrix of type `type` as float32 into out (rows, k):
+  // a 16-bit weight's block for BLAS, a prompt's activations.
+  void (*to_float32_rows)(const void* from, Real type, int64_t k, float* out, int64_t r0, int64_t r1);
+  // n float32 values rounded to `type` (float16 or bfloat16; float32: copied) into `to`.
+  void (*from_float32)(const float* from, Real type, void* to, int64_t n);
 };
 
 namespace avx512 { const Kernels& kernels(); }

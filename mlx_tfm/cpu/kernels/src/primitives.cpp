@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -242,6 +243,64 @@ void dense_product(const std::vector<mx::array>& in, int group_size, int bits, m
     sgemm()(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, rows, k, 1.0f, x, k, block, k, 0.0f, y + n0, n);
   }
   store(y, out);
+}
+
+// x (m, k) as float32 rows: x's own memory when it is float32 and row-contiguous, else
+// converted (a vector at a time, on every core) into `copy`, which lives only as long as
+// the caller's product (a prompt's activations are large; no scratch keeps them).
+const float* float32_matrix(const mx::array& x, int64_t m, int64_t k, std::unique_ptr<float[]>& copy) {
+  if (x.dtype() == mx::float32 && x.flags().row_contiguous) return x.data<float>();
+  std::vector<uint8_t> bytes_scratch;
+  const uint8_t* bytes = contiguous_bytes(x, bytes_scratch);
+  copy.reset(new float[m * k]);
+  const Kernels& kernels = best_kernels();
+  const Real type = real_of(x.dtype());
+  over_rows(m, k * x.itemsize(), [&](int64_t r0, int64_t r1) { kernels.to_float32_rows(bytes, type, k, copy.get(), r0, r1); });
+  return copy.get();
+}
+
+// A tile (m, columns) of float32 results written into columns [n0, n0 + columns) of out
+// (m, n), rounded to out's dtype, the rows split over the pool.
+void store_columns(const float* tile, int64_t m, int64_t columns, mx::array& out, int64_t n0) {
+  const int64_t n = out.shape(-1), item = out.itemsize();
+  const Real type = real_of(out.dtype());
+  uint8_t* base = static_cast<uint8_t*>(out.data<void>());
+  const Kernels& kernels = best_kernels();
+  over_rows(m, columns * 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      kernels.from_float32(tile + r * columns, type, base + (r * n + n0) * item, columns);
+  });
+}
+
+// Rows of a 16-bit w made float32 per BLAS call (~4 MiB, as for quantized layers): fewer,
+// larger calls amortize BLAS's packing of x, while the block stays in cache between its
+// conversion and its product.
+constexpr int64_t FLOAT_BLOCK_BYTES = 1 << 22;
+
+// x @ w.T into out through float32 BLAS for a float16 / bfloat16 (or float32) w: x made
+// float32 once, w a block of rows at a time into one reused float32 buffer (no float32
+// copy of the whole w ever exists), each block's product rounded into its columns of out.
+void dense_float_product(const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array &x = in[0], &w = in[1];
+  const int64_t n = w.shape(0), k = w.shape(1), m = x.size() / k, row_bytes = k * w.itemsize();
+  std::unique_ptr<float[]> x_copy;
+  const float* x32 = float32_matrix(x, m, k, x_copy);
+  std::vector<uint8_t> w_scratch;
+  const uint8_t* wb = contiguous_bytes(w, w_scratch);
+  const Real w_type = real_of(w.dtype());
+  const int64_t block_rows = std::max<int64_t>(1, std::min<int64_t>(n, FLOAT_BLOCK_BYTES / (4 * k)));
+  float* block = scratch(WEIGHT, block_rows * k);
+  const bool direct = out.dtype() == mx::float32;  // BLAS writes into out itself
+  float* tile = direct ? nullptr : scratch(RESULT, m * block_rows);
+  const Kernels& kernels = best_kernels();
+  for (int64_t n0 = 0; n0 < n; n0 += block_rows) {
+    const int64_t rows = std::min(block_rows, n - n0);
+    const uint8_t* from = wb + n0 * row_bytes;
+    over_rows(rows, row_bytes, [&](int64_t r0, int64_t r1) { kernels.to_float32_rows(from, w_type, k, block, r0, r1); });
+    float* y = direct ? out.data<float>() + n0 : tile;
+    sgemm()(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, rows, k, 1.0f, x32, k, block, k, 0.0f, y, direct ? n : rows);
+    if (!direct) store_columns(tile, m, rows, out, n0);
+  }
 }
 
 int64_t id_at(const uint8_t* bytes, mx::Dtype dtype, size_t i) {
@@ -507,13 +566,14 @@ mx::Shape with_last(const mx::Shape& shape, int last) {
 
 // -- operations -------------------------------------------------------------------------
 
-mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array matvec(const mx::array& x, const mx::array& w, bool dense, mx::StreamOrDevice s) {
   check_float(x, "x");
   check_float(w, "w");
   if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
     throw std::invalid_argument("mlx_tfm kernels: matvec needs x (..., k) and w (n, k)");
+  if (dense && !blas_found()) throw std::invalid_argument("mlx_tfm kernels: no cblas_sgemm for the dense route");
   return mx::array(with_last(x.shape(), w.shape(0)), mx::promote_types(x.dtype(), w.dtype()),
-                   std::make_shared<MatVec>(cpu_stream(s)), {x, w});
+                   std::make_shared<MatVec>(cpu_stream(s), dense), {x, w});
 }
 
 bool blas_found() { return sgemm() != nullptr; }
@@ -739,7 +799,11 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array
 }  // namespace
 
 void MatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { product(in, 0, 0, o); });
+  const bool dense = dense_;
+  dispatch(stream(), inputs, out, [dense](const std::vector<mx::array>& in, mx::array& o) {
+    if (dense) dense_float_product(in, o);
+    else product(in, 0, 0, o);
+  });
 }
 
 void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -902,7 +966,11 @@ std::vector<mx::array> MatVec::vjp(const std::vector<mx::array>& primals, const 
   const mx::array &x = primals[0], &w = primals[1], &cotangent = cotangents[0];
   std::vector<mx::array> grads;
   for (int arg : argnums) {
-    if (arg == 0) {
+    if (arg == 0 && dense_) {  // many positions: float32 BLAS, not MLX's half-precision product
+      mx::array product = mx::matmul(mx::astype(cotangent, mx::float32, stream()),
+                                     mx::astype(w, mx::float32, stream()), stream());
+      grads.push_back(mx::astype(product, x.dtype(), stream()));
+    } else if (arg == 0) {
       grads.push_back(mx::astype(mx::matmul(cotangent, w, stream()), x.dtype(), stream()));
     } else {  // (n, positions) @ (positions, k)
       mx::array c = mx::reshape(cotangent, {-1, w.shape(0)}, stream());

@@ -11,8 +11,11 @@ namespace mlx_tfm_kernels {
 
 namespace mx = mlx::core;
 
-// x (..., k) @ w.T for a float32 / float16 / bfloat16 w (n, k): (..., n).
-mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+// x (..., k) @ w.T for a float32 / float16 / bfloat16 w (n, k): (..., n). dense (many
+// positions, a prompt): through float32 BLAS, x made float32 once and w a cache-sized block
+// of rows at a time into one buffer, which is all the float32 weights that ever exist
+// (needs blas_found()).
+mx::array matvec(const mx::array& x, const mx::array& w, bool dense = false, mx::StreamOrDevice s = {});
 
 // x (..., k) @ dequantize(w, scales, biases).T for MLX's affine layout, 4 or 8 bits,
 // group_size 32, 64 or 128: (..., n). dense (many positions, a prompt): through float32
@@ -172,13 +175,18 @@ class Attention : public Pointwise {
 
 class MatVec : public mx::UnaryPrimitive {
  public:
-  explicit MatVec(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  MatVec(mx::Stream stream, bool dense) : mx::UnaryPrimitive(stream), dense_(dense) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxTfmMatVec"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dense_ == static_cast<const MatVec&>(other).dense_;
+  }
+
+ private:
+  bool dense_;
 };
 
 class QuantizedMatVec : public mx::UnaryPrimitive {

@@ -46,6 +46,18 @@ inline F load_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// LANES floats rounded to the nearest float16 / bfloat16 (ties to even, as MLX's conversions;
+// a NaN becomes bfloat16's quiet NaN 0x7FC0, as MLX's does).
+inline void store_f16(uint16_t* p, F v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store_bf16(uint16_t* p, F v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
 // LANES unsigned bytes as floats.
 inline F load_u8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -104,6 +116,19 @@ inline F load_f16(const uint16_t* p) {
 inline F load_bf16(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// As the AVX-512 versions: ties to even, a NaN as 0x7FC0 in bfloat16.
+inline void store_f16(uint16_t* p, F v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store_bf16(uint16_t* p, F v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32-bit lanes holding 16-bit values packed in order (packus works within each 128-bit half)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
 }
 inline F load_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -185,6 +210,12 @@ inline F load_bf16(const uint16_t* p) {
   F r;
   for (int i = 0; i < LANES; ++i) r.v[i] = bf16_to_float(p[i]);
   return r;
+}
+inline void store_f16(uint16_t* p, F a) {
+  for (int i = 0; i < LANES; ++i) p[i] = float_to_half(a.v[i]);
+}
+inline void store_bf16(uint16_t* p, F a) {
+  for (int i = 0; i < LANES; ++i) p[i] = float_to_bf16(a.v[i]);
 }
 inline F load_u8(const uint8_t* p) {
   F r;
