@@ -155,7 +155,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--toy", action="store_true", help="tiny models of the same architectures")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark_families"))
+    parser.add_argument("--forms", default="float32,4bit", help="which of float32, 4bit to time (default both)")
     args = parser.parse_args()
+    forms = args.forms.split(",")
 
     shapes = TOY if args.toy else {"gemma4": GEMMA4, "llama4": LLAMA4}
     folders = build_models(args.folder / ("toy" if args.toy else "full"), shapes)
@@ -164,7 +166,9 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, folder in folders.items():
-        if name.endswith("float32"):
+        if name.split("-")[1] not in forms:
+            continue
+        if name.endswith(forms[0]):
             print(f"{name.split('-')[0]}: {parameter_millions(folder):.0f}M parameters", flush=True)
         prompt = mx.random.randint(0, shapes[name.split("-")[0]]["vocab_size"], (1, args.prompt_tokens))
         results = best_of(folder, prompt, args.decode_tokens, args.repeats)

@@ -33,11 +33,14 @@ import mlx.core as mx
 from ..cpu import on_cpu
 from .attention import Attention, attention
 from .layers import MLP
-from .transformer import Model
+from .transformer import Model, TransformerBlock
 
 
 def block_takes(layer) -> bool:
-    """Whether one block is the plain pre-norm attention + dense MLP form the pieces cover."""
+    """Whether one block is the plain pre-norm attention + dense MLP form the pieces cover
+    (not, say, a pipeline rank's stand-in for the blocks of another rank)."""
+    if type(layer) is not TransformerBlock:
+        return False
     plain_block = (layer.sublayers == "mixer+mlp" and layer.placement == "pre" and layer.residual
                    and layer.residual_scale == 1.0 and not layer.per_layer_act and not layer.scales_output
                    and not layer.experts_beside and "mamba" not in layer and "cross_attn" not in layer)

@@ -37,6 +37,7 @@ import mlx_tfm
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.convert.gguf_file import GGUF_ARCHITECTURES, gguf_name, hf_name
 from mlx_tfm.convert.gguf_hybrids import HYBRID_ARCHITECTURES
+from mlx_tfm.convert.gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from mlx_tfm.loading import load_model
 
 QUIET = dict(log=lambda *_: None)
@@ -168,8 +169,8 @@ TINY_CASE_OF_GGUF_ARCH = {
 }
 
 
-# the hybrids are checked in test_convert_gguf_hybrids.py
-@pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES)))
+# the hybrids are checked in test_convert_gguf_hybrids.py and test_convert_gguf_qwen_next.py
+@pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES) - set(QWEN_NEXT_ARCHITECTURES)))
 def test_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
     """Writing (gguf_name) undoes reading (hf_name) for every tensor llama.cpp names, and
     gives the name gguf's own TensorNameMap gives the Hugging Face name (where it has it);
