@@ -407,14 +407,12 @@ def gemma4_tokenizer(meta: dict) -> dict[str, bytes]:
     raw UTF-8 with spaces as "▁", bytes as <0xNN> pieces) -> tokenizer.json, split as
     llama.cpp splits it: at runs of newlines only."""
     from tokenizers import (
-        AddedToken,
         Regex,
         Tokenizer,
         decoders,
         models,
         normalizers,
         pre_tokenizers,
-        processors,
     )
 
     tokens = meta["tokenizer.ggml.tokens"]
@@ -427,11 +425,21 @@ def gemma4_tokenizer(meta: dict) -> dict[str, bytes]:
     tokenizer.normalizer = normalizers.Replace(" ", "▁")
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer_json_files(tokenizer, meta, tokens, types, add_bos_default=True)
+
+
+def tokenizer_json_files(tokenizer, meta: dict, tokens: list[str], types: list[int],
+                         add_bos_default: bool) -> dict[str, bytes]:
+    """A GGUF vocabulary's ``tokenizers`` model finished as a folder's files: its control and
+    user-defined tokens added, BOS prepended where the file says, tokenizer.json and a
+    tokenizer_config.json (shared by the byte-level BPE and Gemma 4 readers)."""
+    from tokenizers import AddedToken, processors
+
     # control tokens (type 3) are special; user-defined ones (type 4) are matched whole
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == 3])
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, k in enumerate(types) if k == 4])
     bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos_id is not None
     if add_bos:
         bos = tokens[int(bos_id)]
         tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, int(bos_id))])

@@ -43,7 +43,12 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
-from .gguf_families import FAMILY_ARCHITECTURES, gemma4_tokenizer, llama3_scaling_keys
+from .gguf_families import (
+    FAMILY_ARCHITECTURES,
+    gemma4_tokenizer,
+    llama3_scaling_keys,
+    tokenizer_json_files,
+)
 from .gguf_hybrids import HYBRID_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
@@ -917,7 +922,7 @@ def byte_level_pre_tokenizer(pre: str, path: Path):
 def byte_level_bpe_tokenizer(meta: dict, path: Path) -> dict[str, bytes]:
     """A GPT-2-style GGUF vocabulary (byte-level pieces and merges) -> tokenizer.json,
     built with the ``tokenizers`` library."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import Tokenizer, decoders, models
 
     pre_tokenizer = byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
     tokens = meta["tokenizer.ggml.tokens"]
@@ -926,24 +931,7 @@ def byte_level_bpe_tokenizer(meta: dict, path: Path) -> dict[str, bytes]:
     tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
-    # control tokens (type 3) are special; user-defined ones (type 4) are matched whole
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == 3])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, k in enumerate(types) if k == 4])
-    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
-    if add_bos:
-        bos = tokens[int(bos_id)]
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, int(bos_id))])
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[int(bos_id)] if bos_id is not None else None,
-        "eos_token": tokens[int(eos_id)] if eos_id is not None else None,
-        "add_bos_token": add_bos,
-        "clean_up_tokenization_spaces": False,
-    }
-    if "tokenizer.chat_template" in meta:
-        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
-    return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2).encode()}
+    return tokenizer_json_files(tokenizer, meta, tokens, types, add_bos_default=False)
 
 
 def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
