@@ -87,11 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def settle_mlx() -> None:
-    """Wait for MLX's queued work before the process exits. With MLX 0.32 a process that
-    evaluated on a worker thread (the server's encoder requests, asyncio.to_thread) and
-    exits with work still queued aborts in MLX's teardown about half the time ("terminate
-    called without an active exception", status -6); synchronizing first never did in 20
-    runs."""
+    """Wait for the main thread's queued MLX work before the process exits. (The threads
+    that ran MLX work have freed their streams already: engine/threads.py.)"""
     if "mlx.core" in sys.modules:
         sys.modules["mlx.core"].synchronize()
 

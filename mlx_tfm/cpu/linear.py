@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from typing import Callable
 
 import mlx.core as mx
@@ -77,13 +78,26 @@ DENSE_FROM_ROWS = 16
 QUANTIZED_DENSE_FROM_ROWS = 96
 
 
-@functools.cache
+# MLX's streams belong to the thread that made them (and die with its default stream when
+# the thread frees its streams: engine/threads.py), so each thread keeps its own extras.
+_this_thread = threading.local()
+
+
 def extra_cpu_streams() -> tuple[mx.Stream, ...]:
-    """One CPU stream per core beyond the first (at most 3): MLX runs each CPU stream's
-    work on a thread of its own, while one quantized product keeps to one thread."""
-    # On Linux the cores this process may use, which a container can restrict.
-    cores = len(os.sched_getaffinity(0)) if sys.platform == "linux" else os.cpu_count() or 1
-    return tuple(mx.new_stream(mx.cpu) for _ in range(min(cores, 4) - 1))
+    """One CPU stream per core beyond the first (at most 3), this thread's: MLX runs each
+    CPU stream's work on a thread of its own, while one quantized product keeps to one thread."""
+    default = mx.default_stream(mx.cpu)
+    known = getattr(_this_thread, "default", None)
+    if known is None or known != default:
+        _this_thread.default, _this_thread.extra = default, tuple(
+            mx.new_stream(mx.cpu) for _ in range(min(usable_cores(), 4) - 1))
+    return _this_thread.extra
+
+
+@functools.cache
+def usable_cores() -> int:
+    """On Linux the cores this process may use, which a container can restrict."""
+    return len(os.sched_getaffinity(0)) if sys.platform == "linux" else os.cpu_count() or 1
 
 
 def rows_in_parallel(product_of_rows: Callable[[int, int], mx.array], out_dims: int) -> mx.array:

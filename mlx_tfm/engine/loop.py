@@ -44,6 +44,7 @@ from .prefix_cache import PrefixCache
 from .requests import Event, Request, SamplingParams
 from .rows import Row
 from .scheduler import Scheduler
+from .threads import release_thread_streams
 
 log = logging.getLogger("mlx_tfm.engine")
 
@@ -169,9 +170,7 @@ class Engine:
                     self._round_failed(error)
         finally:
             self._shut_down()
-            # MLX keeps per-thread streams and compile caches; a thread that exits without
-            # freeing them crashes the process at exit (mlx PR #4373)
-            mx.clear_streams()
+            release_thread_streams()
 
     @property
     def busy(self) -> bool:

@@ -8,7 +8,6 @@ A request is translated into an OpenAI chat request and runs through the same ma
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -27,6 +26,7 @@ from .model_swap import serving_of
 from .output import Delta
 from .prompts import arguments_object, chat_prompt
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
+from .workers import in_worker
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -378,7 +378,7 @@ async def messages(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), MessagesRequest)
     async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
         serving = decoder_only(leased)
-        openai_request, rows, choices = await asyncio.to_thread(chat_rows, serving, translated(request))
+        openai_request, rows, choices = await in_worker(chat_rows, serving, translated(request))
         generation = Generation(serving.engine, rows)
     stopping = Stopping(serving, openai_request.stop_strings)
     if request.stream:
@@ -401,7 +401,7 @@ async def count_tokens(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), CountTokensRequest)
     async with serving_of(context.state, request.model) as leased:  # its tokenizer and template count
         serving = decoder_only(leased)
-        return JSONResponse({"input_tokens": await asyncio.to_thread(prompt_tokens, serving, request)})
+        return JSONResponse({"input_tokens": await in_worker(prompt_tokens, serving, request)})
 
 
 # (path, method, handler, the prefixes it answers under): app.py adds them to its ROUTES.

@@ -20,6 +20,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..engine.threads import releasing_streams
 from .anthropic_api import ANTHROPIC_ROUTES
 from .completions import Serving, chat_completions, completions
 from .embeddings import decoder_only, embeddings, encoder_serving, rerank
@@ -31,6 +32,7 @@ from .ollama_api import OLLAMA_ROUTES
 from .page_route import OPEN_PAGE_PATHS, PAGE_ROUTES
 from .responses_api import RESPONSES_ROUTES
 from .settings import ServerSettings
+from .workers import in_worker
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -89,7 +91,7 @@ class ServerState:
         self.swap = ModelSwap(self, settings.model_dir, loader) if settings.model_dir else None
 
     def start_loading(self) -> None:
-        threading.Thread(target=self._load, name="mlx-tfm-loader", daemon=True).start()
+        threading.Thread(target=releasing_streams(self._load), name="mlx-tfm-loader", daemon=True).start()
 
     def _load(self) -> None:
         try:
@@ -313,9 +315,7 @@ class ModelLifespan:
         self.state.start_loading()
 
     async def __aexit__(self, *exc_info):
-        import asyncio
-
-        await asyncio.to_thread(self.state.stop)
+        await in_worker(self.state.stop)
 
 
 OPEN_PATHS = ("/health",) + OPEN_PAGE_PATHS  # answered without the API key

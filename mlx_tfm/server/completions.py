@@ -42,6 +42,7 @@ from .protocol import (
 from .fim import fim_prompt
 from .settings import MAX_ROWS, ServerSettings
 from .tool_formats import ToolFormat, markers_of, tool_format_named, tool_format_of
+from .workers import in_worker
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -160,7 +161,7 @@ def failed(serving: Serving, event) -> APIError | None:
 
 async def chat_completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
     # Rendering, tokenizing and compiling a grammar take a while: off the event loop.
-    request, rows, choices = await asyncio.to_thread(prepare_chat, serving, body)
+    request, rows, choices = await in_worker(prepare_chat, serving, body)
     generation = Generation(serving.engine, rows)
     if request.stream:
         return sse_response(chat_stream(serving, request, generation, choices), generation)
@@ -339,7 +340,7 @@ class TextChoice:
 
 
 async def completions(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
-    request, rows, choices = await asyncio.to_thread(prepare_completion, serving, body)
+    request, rows, choices = await in_worker(prepare_completion, serving, body)
     generation = Generation(serving.engine, rows)
     if request.stream:
         return sse_response(text_stream(serving, request, generation, choices), generation)

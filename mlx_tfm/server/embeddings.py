@@ -11,7 +11,6 @@ worker thread (MLX computes on one stream), and keeps the counts ``/metrics`` sh
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import threading
 from collections import Counter
@@ -23,6 +22,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from .errors import APIError, invalid
+from .workers import in_worker
 
 # As many inputs per request as OpenAI's embeddings API takes.
 MAX_INPUTS = 2048
@@ -207,12 +207,12 @@ def rerank_response(serving: EncoderServing, body: bytes) -> dict:
 
 async def embeddings(serving, http: HTTPRequest, body: bytes) -> JSONResponse:
     serving = encoder_only(serving, "POST /v1/embeddings")
-    return JSONResponse(await asyncio.to_thread(embeddings_response, serving, body))
+    return JSONResponse(await in_worker(embeddings_response, serving, body))
 
 
 async def rerank(serving, http: HTTPRequest, body: bytes) -> JSONResponse:
     serving = encoder_only(serving, "POST /v1/rerank")
-    return JSONResponse(await asyncio.to_thread(rerank_response, serving, body))
+    return JSONResponse(await in_worker(rerank_response, serving, body))
 
 
 __all__ = ["EncoderServing", "encoder_serving", "decoder_only", "embeddings", "rerank"]

@@ -7,7 +7,6 @@ of the middle already typed. The answer is ``{"content", "stop", ...}``; a strea
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import AsyncIterator
 
@@ -22,6 +21,7 @@ from .errors import APIError
 from .fim import ExtraFile, fim_prompt
 from .prompts import check_prompt
 from .protocol import Lenient, SamplingFields, parse_body
+from .workers import in_worker
 
 
 class ExtraFileField(Lenient):
@@ -60,7 +60,7 @@ def prepare_infill(serving: Serving, body: bytes) -> tuple[InfillRequest, Reques
 
 
 async def infill(serving: Serving, http: HTTPRequest, body: bytes) -> Response:
-    request, row = await asyncio.to_thread(prepare_infill, serving, body)
+    request, row = await in_worker(prepare_infill, serving, body)
     generation = Generation(serving.engine, [row])
     if request.stream:
         return StreamingResponse(infill_stream(serving, generation), media_type="text/event-stream",

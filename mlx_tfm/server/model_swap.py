@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .errors import APIError
+from .workers import in_worker
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -133,7 +134,7 @@ class ModelSwap:
             self._waiting.setdefault(name, []).append(token)
         future = self._swapping.get(name)
         if future is None or future.done():
-            future = asyncio.ensure_future(asyncio.to_thread(self.swap_to, name))
+            future = asyncio.ensure_future(in_worker(self.swap_to, name))
             self._swapping[name] = future
         try:
             await asyncio.wait_for(asyncio.shield(future), LOAD_WAIT_SECONDS)

@@ -8,7 +8,6 @@ machinery (completions.py); failures are Ollama's ``{"error": "..."}`` with the 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -28,6 +27,7 @@ from .model_swap import serving_of
 from .output import Delta
 from .prompts import arguments_object
 from .protocol import ChatCompletionRequest, Lenient, Tool, parse_body, validation_error
+from .workers import in_worker
 
 log = logging.getLogger("mlx_tfm.server")
 
@@ -283,7 +283,7 @@ def error_line(error: APIError) -> bytes:
 async def answer(http: HTTPRequest, serving, request: OllamaRequest, translated: ChatCompletionRequest,
                  raw_prompt: str | None, piece) -> Response:
     """Run the translated request on the engine; stream it or answer when done."""
-    _, rows, choices = await asyncio.to_thread(chat_rows, serving, translated, raw_prompt)
+    _, rows, choices = await in_worker(chat_rows, serving, translated, raw_prompt)
     generation = Generation(serving.engine, rows)
     model = request.model or serving.model_id
     if request.stream:
@@ -389,7 +389,7 @@ def local_entries(context) -> list[dict]:
 
 @ollama_endpoint
 async def tags(http: HTTPRequest, context) -> Response:
-    return JSONResponse({"models": await asyncio.to_thread(local_entries, context)})
+    return JSONResponse({"models": await in_worker(local_entries, context)})
 
 
 @ollama_endpoint
@@ -437,7 +437,7 @@ async def show(http: HTTPRequest, context) -> Response:
     name = served_name(request.model or request.name)
     swap = context.state.swap
     if swap is not None and name != context.state.model_id and name in swap.available():
-        return JSONResponse(await asyncio.to_thread(folder_show, swap.available()[name]))
+        return JSONResponse(await in_worker(folder_show, swap.available()[name]))
     serving = context.state.ready_serving()
     serving.check_model(name)
     encoder = isinstance(serving, EncoderServing)
@@ -474,7 +474,7 @@ async def embedded(http: HTTPRequest, context, endpoint: str) -> tuple[EmbedRequ
     # an encoder has no engine to drain: its lease is what keeps it loaded while it embeds
     async with serving_of(context.state, served_name(request.model) or None) as leased:
         serving = encoder_only(leased, endpoint)
-        return request, await asyncio.to_thread(embeddings_response, serving, json.dumps(body).encode())
+        return request, await in_worker(embeddings_response, serving, json.dumps(body).encode())
 
 
 @ollama_endpoint

@@ -12,7 +12,6 @@ A request is translated into a chat request and runs through the same machinery
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -33,6 +32,7 @@ from .model_swap import serving_of
 from .output import Delta
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
 from .response_items import item_resource, items_page
+from .workers import in_worker
 
 # How many responses each server keeps for previous_response_id and GET (the oldest go first).
 STORED_RESPONSES = 256
@@ -580,7 +580,7 @@ async def create_response(http: HTTPRequest, context) -> Response:
         else []
     async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
         serving = decoder_only(leased)
-        _, rows, choices = await asyncio.to_thread(prepared, serving, request, history)
+        _, rows, choices = await in_worker(prepared, serving, request, history)
         generation = Generation(serving.engine, rows)
     turn = Turn(request, serving.model_id, store, history)
     if request.stream:

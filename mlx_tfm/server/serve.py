@@ -14,6 +14,7 @@ import json
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from ..engine.threads import releasing_streams
 from ..errors import UserError
 from .app import ServerState, build_app
 from .errors import error_body
@@ -36,7 +37,7 @@ class StoppingServer(uvicorn.Server):
         if self.should_exit:
             self.force_exit = True  # a second Ctrl-C: do not wait any more
         self.should_exit = True
-        threading.Thread(target=self.state.stop, name="mlx-tfm-stop", daemon=True).start()
+        threading.Thread(target=releasing_streams(self.state.stop), name="mlx-tfm-stop", daemon=True).start()
 
     def url(self) -> str:
         host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -80,7 +81,7 @@ async def run_until_stopped(server: StoppingServer, state: ServerState) -> None:
         await asyncio.sleep(0.02)
     if server.started:
         print(f"mlx-tfm server: listening at {server.url()}, loading {state.settings.model}", file=sys.stderr, flush=True)
-        await asyncio.to_thread(wait_loaded, state, serving)
+        await asyncio.to_thread(wait_loaded, state, serving)  # no MLX work: a plain worker
         if state.load_error is not None:
             server.should_exit = True
         elif not serving.done():
