@@ -226,32 +226,9 @@ class ModelArgs:
         values["rope_layers"] = tuple(bool(r) for r in values.get("rope_layers", ()))
         if values["rope_layers"] and len(values["rope_layers"]) != n_layers:
             raise ValueError(f"rope_layers has {len(values['rope_layers'])} entries for {n_layers} layers")
-        values.update(cls._expert_values(values))
-        values.update(cls._state_space_values(values, n_layers))
+        values.update(expert_values(values, cls))
+        values.update(state_space_values(values, n_layers, cls))
         return cls(**values)
-
-    @classmethod
-    def _state_space_values(cls, values: dict, n_layers: int) -> dict:
-        """Tuples for the list-valued Mamba fields (JSON gives lists), checked per layer."""
-        sublayers = tuple(values.get("block_sublayers", ()))
-        if sublayers and len(sublayers) != n_layers:
-            raise ValueError(f"block_sublayers has {len(sublayers)} entries for {n_layers} layers")
-        unknown = sorted(set(sublayers) - {"mixer+mlp", "mixer", "mlp"})
-        if unknown:
-            raise ValueError(f"unknown block_sublayers entry {unknown[0]!r} (mixer+mlp, mixer, mlp)")
-        limit = tuple(float(v) for v in values.get("mamba_time_step_limit", cls.mamba_time_step_limit))
-        return {"block_sublayers": sublayers, "mamba_time_step_limit": limit}
-
-    @classmethod
-    def _expert_values(cls, values: dict) -> dict:
-        n_experts, per_token = values.get("num_experts", 0), values.get("num_experts_per_tok", 0)
-        if n_experts and not 0 < per_token <= n_experts:
-            raise ValueError(f"num_experts_per_tok is {per_token}; it must be between 1 and num_experts ({n_experts})")
-        return {
-            "moe_intermediate_size": values.get("moe_intermediate_size") or values.get("intermediate_size",
-                                                                                       cls.intermediate_size),
-            "mlp_only_layers": tuple(values.get("mlp_only_layers", ())),
-        }
 
     def has_experts(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx``'s feed-forward is a mixture of experts."""
@@ -278,3 +255,28 @@ def check_head_counts(n_heads: int, n_kv_heads: int, hidden_size: int, head_dim:
         raise ValueError(
             f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({n_heads}) and there is no head_dim"
         )
+
+
+def state_space_values(values: dict, n_layers: int, defaults) -> dict:
+    """The list-valued Mamba fields of ModelArgs as tuples (JSON gives lists), checked per layer;
+    ``defaults`` is the class, for its default values."""
+    sublayers = tuple(values.get("block_sublayers", ()))
+    if sublayers and len(sublayers) != n_layers:
+        raise ValueError(f"block_sublayers has {len(sublayers)} entries for {n_layers} layers")
+    unknown = sorted(set(sublayers) - {"mixer+mlp", "mixer", "mlp"})
+    if unknown:
+        raise ValueError(f"unknown block_sublayers entry {unknown[0]!r} (mixer+mlp, mixer, mlp)")
+    limit = tuple(float(v) for v in values.get("mamba_time_step_limit", defaults.mamba_time_step_limit))
+    return {"block_sublayers": sublayers, "mamba_time_step_limit": limit}
+
+
+def expert_values(values: dict, defaults) -> dict:
+    """The expert fields ModelArgs derives: the experts' width (the dense FFN's by default), checked counts."""
+    n_experts, per_token = values.get("num_experts", 0), values.get("num_experts_per_tok", 0)
+    if n_experts and not 0 < per_token <= n_experts:
+        raise ValueError(f"num_experts_per_tok is {per_token}; it must be between 1 and num_experts ({n_experts})")
+    return {
+        "moe_intermediate_size": values.get("moe_intermediate_size") or values.get("intermediate_size",
+                                                                                   defaults.intermediate_size),
+        "mlp_only_layers": tuple(values.get("mlp_only_layers", ())),
+    }
