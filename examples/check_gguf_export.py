@@ -16,10 +16,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from widen_llama import widen
 
 from mlx_tfm.convert.gguf_export import GGUF_TYPES, export_gguf
 from mlx_tfm.loading import load
-from widen_llama import widen
 
 ROOT = Path(__file__).resolve().parents[1]
 
