@@ -4,7 +4,7 @@ widened to 256-long rows (examples/widen_llama.py, the same logits), whose K-qua
 hold real Q4_K / Q5_K / Q6_K blocks (the shipped model's 128-long rows get llama.cpp's
 Q5_0 / Q5_1 / Q8_0 stand-ins).
 
-    python examples/gguf_perplexity.py            # ~3 minutes on 2 cores
+    python examples/gguf_perplexity.py            # 18 minutes on 2 cores shared with other jobs
 
 mlx_tfm decodes every block to float and multiplies in float32; llama.cpp's CPU kernels
 round the activations to 8 bits too (Q8_0 blocks of 32 against Q4_0 / Q8_0 weights, Q8_K

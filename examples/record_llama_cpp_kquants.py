@@ -6,8 +6,9 @@
   ggml's reference quantizers (``quantize_row_q{4,5,6}_K_ref`` in llama.cpp's libggml-base)
   for Q4_K, Q5_K and Q6_K;
 - tests/data/llama_cpp_kquants/mixes.json: the type ``llama_model_quantize`` (llama.cpp's
-  llama-quantize) gives each tensor of two random Llamas (8 layers with an output head,
-  12 with a tied one; FFN rows of 288, which do not split into 256s) in each K-quant mix.
+  llama-quantize) gives each tensor of three random Llamas (8 layers with an output head,
+  12 with a tied one, FFN rows of 288, which do not split into 256s, in each K-quant mix;
+  80 layers, which llama.cpp takes for a 70B, in Q4_K_S and Q4_K_M).
 
     python examples/record_llama_cpp_kquants.py
 """
@@ -54,12 +55,12 @@ def reference_blocks(w: np.ndarray, type_name: str) -> np.ndarray:
     return out.reshape(w.shape[0], -1)
 
 
-def random_llama(folder: Path, layers: int, tied: bool) -> Path:
+def random_llama(folder: Path, layers: int, tied: bool, intermediate: int = 288) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=288, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     LlamaForCausalLM(config).save_pretrained(folder)
     shutil.copy(ROOT / "tests/data/stories260K-hf/tokenizer.model", folder / "tokenizer.model")
@@ -84,12 +85,13 @@ def main() -> None:
     np.savez(OUT / "blocks.npz", weights=w, **{name: reference_blocks(w, name) for name in BLOCK_BYTES})
     models = {}
     with tempfile.TemporaryDirectory() as folder:
-        for layers, tied in ((8, False), (12, True)):
-            source = random_llama(Path(folder) / f"l{layers}", layers, tied)
+        # 80 layers with grouped KV heads: what llama.cpp takes for a Llama 70B (attn_v Q5_K for Q4_K)
+        for layers, tied, mixes in ((8, False, MIXES), (12, True, MIXES), (80, False, ("q4_k_s", "q4_k_m"))):
+            source = random_llama(Path(folder) / f"l{layers}", layers, tied, 288 if layers < 80 else 256)
             f32 = export_gguf(source, Path(folder) / f"l{layers}.gguf", "f32", log=lambda *_: None)
             models[f"{layers} layers, {'tied' if tied else 'output head'}"] = {
-                "n_layers": layers, "tied": tied,
-                "types": {mix: llama_quantize_types(f32, mix, Path(folder) / f"{mix}.gguf") for mix in MIXES}}
+                "n_layers": layers, "tied": tied, "bigger_v": layers == 80,
+                "types": {mix: llama_quantize_types(f32, mix, Path(folder) / f"{mix}.gguf") for mix in mixes}}
     (OUT / "mixes.json").write_text(json.dumps(models, indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUT}")
 

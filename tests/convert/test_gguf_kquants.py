@@ -75,11 +75,12 @@ def test_blocks_are_llama_cpps_reference_quantizers(type_name, recorded):
 def test_each_tensor_gets_the_type_llama_quantize_gives(recorded):
     """Every tensor of an 8-layer Llama with a head and a 12-layer tied one, in each mix:
     Q6_K head (or tied embedding), the more-bits layers' attn_v / ffn_down, Q4_K_S's first
-    layers, the Q5_0 / Q5_1 / Q8_0 stand-ins for 288-long rows, F32 norms."""
+    layers, the Q5_0 / Q5_1 / Q8_0 stand-ins for 288-long rows, F32 norms; and an 80-layer
+    one, llama.cpp's 70B, whose Q4_K attn_v become Q5_K."""
     models = json.loads((recorded / "mixes.json").read_text())
     assert set(next(iter(models.values()))["types"]) == set(KQUANT_FILE_TYPES)
     for model in models.values():
-        mix = {"n_layers": model["n_layers"], "tied": model["tied"], "bigger_v": False}
+        mix = {"n_layers": model["n_layers"], "tied": model["tied"], "bigger_v": model["bigger_v"]}
         for gguf_type, types in model["types"].items():
             for name, recorded_type in types.items():
                 shape, expected = recorded_type.split()
