@@ -19,7 +19,9 @@ not split into 256s fall back to Q5_0 / Q5_1 / Q8_0 (F16 if not into 32s either)
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -256,6 +258,11 @@ CHUNK = 1 << 18  # weights encoded at once: bounds the search's temporaries (a f
 
 def quantize_kquant(w: np.ndarray, type_name: str) -> np.ndarray:
     """``w`` (rows, row length % 256 == 0) as ``type_name`` ("Q4_K", "Q5_K", "Q6_K")
-    blocks, a few rows at a time: (rows, bytes per row) uint8, gguf's raw tensor layout."""
+    blocks, a few rows at a time on every core (numpy lets go of the GIL in its loops):
+    (rows, bytes per row) uint8, gguf's raw tensor layout."""
     rows = max(1, CHUNK // w.shape[1])
-    return np.concatenate([ENCODERS[type_name](w[i:i + rows]) for i in range(0, w.shape[0], rows)])
+    pieces = [w[i : i + rows] for i in range(0, w.shape[0], rows)]
+    if len(pieces) == 1:
+        return ENCODERS[type_name](pieces[0])
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return np.concatenate(list(pool.map(ENCODERS[type_name], pieces)))
