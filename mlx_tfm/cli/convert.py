@@ -16,7 +16,7 @@ Q_GROUP_SIZES = (32, 64, 128)
 Q_BITS = (2, 3, 4, 5, 6, 8)
 DTYPES = ("float16", "bfloat16", "float32")
 QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to-gguf", metavar="FILE", default=None,
                         help="Write a GGUF file for llama.cpp instead of an MLX folder (llama, mistral, qwen2, qwen3).")
     parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f16",
-                        help="With --to-gguf: the matrices' type (default f16; q8_0 / q4_0 by gguf's quantizer).")
+                        help="With --to-gguf: the matrices' type (default f16; q8_0 / q4_0 by gguf's quantizer; "
+                             "q4_k_m and the other K-quant mixes as llama.cpp's llama-quantize makes them).")
     parser.add_argument("--awq", action="store_true",
                         help="With -q: scale the weights by their calibrated activations first (AWQ); needs "
                              "--calibration-data.")
@@ -71,7 +72,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, quantize_flags: b
 def run(args: argparse.Namespace) -> int:
     if args.to_gguf:
         if args.quantize or args.dequantize:
-            raise UserError("--to-gguf quantizes with --gguf-type (q8_0, q4_0), not -q / -d")
+            raise UserError("--to-gguf quantizes with --gguf-type (q8_0, q4_0, q4_k_m, ...), not -q / -d")
         from ..convert.gguf_export import export_gguf
 
         export_gguf(args.hf_path, args.to_gguf, args.gguf_type, overwrite=args.overwrite)

@@ -1,5 +1,6 @@
 """``export_gguf``: a Llama-family model (llama, mistral, qwen2, qwen3) as a GGUF file that
-llama.cpp loads, in F32, F16, BF16, Q8_0 or Q4_0.
+llama.cpp loads, in F32, F16, BF16, Q8_0, Q4_0 or llama.cpp's K-quant mixes (Q4_K_S, Q4_K_M,
+Q5_K_S, Q5_K_M, Q6_K).
 
 The file is what llama.cpp's own converter writes for the family: its tensor names (from
 the one name table of ``gguf_file.py``, read the other way), q/k rows permuted into
@@ -7,7 +8,8 @@ interleaved-RoPE order for the Llama lineage, the tied head left out (llama.cpp 
 token_embd), norms and other vectors in F32, the metadata keys its loader requires, and
 the tokenizer as a SentencePiece ("llama") or byte-level BPE ("gpt2") vocabulary. Q8_0 and
 Q4_0 blocks are made by the ``gguf`` package's reference quantizer; a matrix whose rows do
-not split into blocks of 32 stays F16, as llama.cpp's quantizer falls back too.
+not split into blocks of 32 stays F16, as llama.cpp's quantizer falls back too. K-quant
+blocks and each tensor's type in a K-quant mix come from ``gguf_kquants.py``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from ..model.positions import rope_inverse_frequencies, rope_type
 from ..weights.quantization import dequantize_weights
 from .converter import read_source
 from .gguf_file import GROUP_SIZE, PRE_TOKENIZERS, byte_level_pre_tokenizer, gguf_name
+from .gguf_kquants import ENCODERS, KQUANT_FILE_TYPES, kquant_tensor_type, quantize_kquant
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", *KQUANT_FILE_TYPES)
 # Hugging Face model_type -> (llama.cpp architecture, q/k rows permuted)
 EXPORTABLE = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
               "qwen3": ("qwen3", False)}
 # llama.cpp's general.file_type for each (LLAMA_FTYPE_ALL_F32 = 0, MOSTLY_F16 = 1, ...)
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32,
+              **{name: file_type for name, (_, file_type) in KQUANT_FILE_TYPES.items()}}
 # A probe text that tells llama.cpp's pre-tokenizers apart (contractions, digit runs,
 # case changes, combining marks, newlines, code).
 PROBE = ("Hello world! It's 2024: 1234567 apples, don't x//y.\n\n\tdef f(x):\n        return x**2  "
@@ -142,16 +146,29 @@ def llama3_factors(config: dict) -> np.ndarray:
     return (plain / scaled).astype(np.float32)
 
 
-def tensor_type(name: str, w: np.ndarray, gguf_type: str):
-    """The GGML type a tensor is written in: vectors F32; matrices the asked type, F16 where
-    their rows do not split into blocks of 32."""
+def tensor_type(name: str, w: np.ndarray, gguf_type: str, mix: dict):
+    """The GGML type the tensor ``name`` (llama.cpp's name) is written in: vectors F32;
+    matrices the asked type, F16 where their rows do not split into blocks of 32; in a
+    K-quant file the type llama.cpp's mix gives it (``mix``: n_layers, tied, bigger_v)."""
     import gguf
 
     if w.ndim < 2 or gguf_type == "f32":
         return gguf.GGMLQuantizationType.F32
+    if gguf_type in KQUANT_FILE_TYPES:
+        return gguf.GGMLQuantizationType[kquant_tensor_type(name, w.shape, gguf_type, **mix)]
     if gguf_type in ("q8_0", "q4_0") and w.shape[-1] % GROUP_SIZE:
         return gguf.GGMLQuantizationType.F16
     return gguf.GGMLQuantizationType[gguf_type.upper()]
+
+
+def kquant_mix(arch: str, config: dict, tied: bool) -> dict:
+    """What llama.cpp's K-quant mix reads of the model: its layers, whether the head is the
+    token embedding, and whether it is a 70B (80 layers, grouped KV heads), whose attn_v
+    gets Q5_K instead of Q4_K."""
+    n_layers = config["num_hidden_layers"]
+    grouped = (config.get("num_key_value_heads") or config["num_attention_heads"]) != config["num_attention_heads"]
+    return {"n_layers": n_layers, "tied": tied,
+            "bigger_v": n_layers == 80 and (arch == "qwen2" or (arch == "llama" and grouped))}
 
 
 def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, permuted: bool, log) -> None:
@@ -162,6 +179,7 @@ def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, 
     names = [n for n in weights if not (n == "lm_head.weight" and config.get("tie_word_embeddings"))]
     if rope_type(rope_scaling_of(config)) == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_factors(config))
+    mix = kquant_mix(arch, config, tied="lm_head.weight" not in names)
     start, step = time.monotonic(), max(1, len(names) // 10)
     for i, name in enumerate(sorted(names)):
         w = np.array(weights[name].astype(mx.float32))
@@ -173,12 +191,14 @@ def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, 
             llama_cpp_name = gguf_name(name, arch)
         except ValueError as e:
             raise UserError(f"GGUF export: {e}") from None
-        kind = tensor_type(name, w, gguf_type)
+        kind = tensor_type(llama_cpp_name, w, gguf_type, mix)
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(llama_cpp_name, w)
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(llama_cpp_name, w.astype(np.float16))
-        else:  # BF16, Q8_0, Q4_0: bytes from gguf's reference quantizer
+        elif kind.name in ENCODERS:  # K-quants: ggml's reference quantizer, in numpy
+            writer.add_tensor(llama_cpp_name, quantize_kquant(w, kind.name), raw_dtype=kind)
+        else:  # BF16, Q8_0, Q5_0, Q5_1, Q4_0: bytes from gguf's reference quantizer
             writer.add_tensor(llama_cpp_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         elapsed = time.monotonic() - start
         if ((i + 1) % step == 0 or i + 1 == len(names)) and elapsed > 2:  # only for big models
