@@ -70,9 +70,22 @@ def test_long_prompts_get_their_own_repeats_and_give_the_cache_size(hybrid, monk
     (["--prompt-tokens", "512,4k"], "--prompt-tokens: '512,4k' is not comma-separated whole numbers"),
     (["--prompt-tokens", "4"], "prompts need at least 8 tokens"),
     (["--long-repeats", "0"], "repeats at least 1 run"),
+    (["--forms-chunks", "16,48"], r"--forms-chunks: the delta rule's chunks are powers of two, not [16, 48]"),
 ])
 def test_bad_choices_are_named(arguments, message, tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "benchmark_hybrid.py"), *arguments], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 2
-    assert message in done.stderr
+    assert message in done.stderr, done.stderr
+
+
+def test_the_forms_are_timed_at_each_chunk_size_asked_for(hybrid, monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(hybrid, "compare_forms", lambda heads, dim, chunk: asked.append((heads, chunk)) or (1.0, 12.0))
+    monkeypatch.setattr(hybrid, "compare_ssd_forms", lambda *sizes: (1.0, 11.0))
+    monkeypatch.setattr(sys, "argv", ["benchmark_hybrid.py", "--forms-only", "--forms-chunks", "16,32"])
+    hybrid.main()
+    assert asked == [(16, 16), (16, 32), (32, 16), (32, 32)]
+    out = capsys.readouterr().out
+    assert "(16 heads of 128), 2000 positions: chunked (chunks of 32) 1.000 s, stepped 12.000 s (12.0x)" in out
+    assert out.count("the SSD scan of one layer") == len(hybrid.SSD_FORMS)

@@ -24,7 +24,8 @@ that row alone).
 
 ``--forms``: the delta rule of one layer reading a 2,000-position prompt chunk by chunk and
 position by position (the two forms of model/deltanet.py), at this model's 16 value heads of
-128 and at Qwen3-Next's 32, and the same for Mamba-2's SSD scan (model/ssd.py) at
+128 and at Qwen3-Next's 32 (in chunks of 16, the layers' default, or of each of
+``--forms-chunks``), and the same for Mamba-2's SSD scan (model/ssd.py) at
 ``SSD_FORMS`` sizes; ``--forms-only``: that alone.
 """
 
@@ -154,11 +155,12 @@ def fastest_alternating(forms: dict, inputs: tuple, repeats: int) -> dict[str, f
     return {name: min(times) for name, times in runs.items()}
 
 
-def compare_forms(n_heads: int, head_dim: int, length: int = 2000, repeats: int = 3) -> tuple[float, float]:
+def compare_forms(n_heads: int, head_dim: int, chunk_size: int = 16, length: int = 2000,
+                  repeats: int = 3) -> tuple[float, float]:
     """Seconds for the delta rule of one layer (``n_heads`` value heads, keys and values of
-    ``head_dim``) to read ``length`` positions: (chunked, stepped), best of ``repeats``. The
-    projections and the convolution around it are the same work in both forms, so they are
-    left out."""
+    ``head_dim``) to read ``length`` positions: (chunked in chunks of ``chunk_size``, the
+    layers' ``linear_chunk_size``, stepped), best of ``repeats``. The projections and the
+    convolution around it are the same work in both forms, so they are left out."""
     from mlx_tfm.model.deltanet import delta_rule_chunked, delta_rule_steps, l2_normalised
 
     H, D = n_heads, head_dim
@@ -168,7 +170,8 @@ def compare_forms(n_heads: int, head_dim: int, length: int = 2000, repeats: int 
     g, beta = -mx.random.uniform(0, 1, (1, H, length)), mx.random.uniform(0, 1, (1, H, length))
     inputs = (queries, keys, values, g, beta, mx.zeros((1, H, D, D)))
     mx.eval(inputs)
-    best = fastest_alternating({"chunked": delta_rule_chunked, "stepped": delta_rule_steps}, inputs, repeats)
+    chunked = lambda *a: delta_rule_chunked(*a, chunk_size)  # noqa: E731
+    best = fastest_alternating({"chunked": chunked, "stepped": delta_rule_steps}, inputs, repeats)
     return best["chunked"], best["stepped"]
 
 
@@ -204,12 +207,14 @@ FORMS_HEADS = (16, 32)
 SSD_FORMS = ((32, 64, 128, 256), (80, 64, 128, 256))
 
 
-def print_forms(text: dict) -> None:
+def print_forms(text: dict, chunk_sizes: list[int]) -> None:
     D = text["linear_key_head_dim"]
     for n_heads in FORMS_HEADS if text is TEXT else (text["linear_num_value_heads"],):
-        chunked, stepped = compare_forms(n_heads, D)
-        print(f"the delta rule of one layer ({n_heads} heads of {D}), 2000 positions: "
-              f"chunked {chunked:.3f} s, stepped {stepped:.3f} s ({stepped / chunked:.1f}x)", flush=True)
+        for chunk_size in chunk_sizes:
+            chunked, stepped = compare_forms(n_heads, D, chunk_size)
+            print(f"the delta rule of one layer ({n_heads} heads of {D}), 2000 positions: chunked "
+                  f"(chunks of {chunk_size}) {chunked:.3f} s, stepped {stepped:.3f} s ({stepped / chunked:.1f}x)",
+                  flush=True)
     for n_heads, head_dim, state_size, chunk_size in SSD_FORMS if text is TEXT else ((4, 16, 16, 64),):
         chunked, stepped = compare_ssd_forms(n_heads, head_dim, state_size, chunk_size)
         print(f"the SSD scan of one layer ({n_heads} heads of {head_dim}, state {state_size}, chunks of "
@@ -218,6 +223,13 @@ def print_forms(text: dict) -> None:
 
 
 FORMATS = ("float32", "4bit")
+
+
+def whole_numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}: {text!r} is not comma-separated whole numbers")
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -231,16 +243,17 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--toy", action="store_true", help="a tiny model of the same architecture")
     parser.add_argument("--forms", action="store_true", help="also time the chunked and stepped forms")
     parser.add_argument("--forms-only", action="store_true", help="time only the chunked and stepped forms")
+    parser.add_argument("--forms-chunks", default="16", help="comma-separated chunk sizes of the chunked delta rule")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/mlx_tfm_benchmark_hybrid"))
     args = parser.parse_args()
     args.formats = args.formats.split(",")
     unknown = [name for name in args.formats if name not in FORMATS]
     if unknown:
         parser.error(f"--formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
-    try:
-        args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",")]
-    except ValueError:
-        parser.error(f"--prompt-tokens: {args.prompt_tokens!r} is not comma-separated whole numbers")
+    args.prompt_tokens = whole_numbers(parser, "--prompt-tokens", args.prompt_tokens)
+    args.forms_chunks = whole_numbers(parser, "--forms-chunks", args.forms_chunks)
+    if any(n < 1 or n & (n - 1) for n in args.forms_chunks):
+        parser.error(f"--forms-chunks: the delta rule's chunks are powers of two, not {args.forms_chunks}")
     if min(args.prompt_tokens) < 8 or min(args.repeats, args.long_repeats) < 1:
         parser.error("prompts need at least 8 tokens (the warm-up reads 8) and repeats at least 1 run")
     return args
@@ -250,7 +263,7 @@ def main() -> None:
     args = parse_arguments()
     text = TOY if args.toy else TEXT
     if args.forms_only:
-        print_forms(text)
+        print_forms(text, args.forms_chunks)
         return
     folders = build_models(args.folder / ("toy" if args.toy else "full"), text)
     header = f"{'model':<8} {'prompt':>6} {'library':<8} {'prompt tok/s':>12} {'decode tok/s':>12} {'peak GB':>8}"
@@ -270,7 +283,7 @@ def main() -> None:
                                                                                        args.cache_tokens)
             print(f"{name:<8} cache at {args.cache_tokens} tokens, {library}: {megabytes:.1f} MB", flush=True)
     if args.forms:
-        print_forms(text)
+        print_forms(text, args.forms_chunks)
 
 
 if __name__ == "__main__":
