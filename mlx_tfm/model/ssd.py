@@ -9,6 +9,12 @@ Per head h the recurrence over positions t is
   ``(C B^T * decay) @ (dt x)``, and only the state crosses from one chunk to the next, so a
   prompt costs a few matrix products per chunk instead of one small update per position.
 
+The result does not depend on the chunk size, only the speed does: on the CPU a chunk
+costs T exponentials and about T (N + P) multiply-adds per position and head inside it
+(the T x T decays and products), against a fixed N P for the state across chunks, so the
+chunks there are of at most ``CPU_CHUNK`` positions whatever the checkpoint's chunk size
+(256 in Mamba-2's, a GPU kernel's tile).
+
 Shapes: B batch, L positions, H heads, P head_dim, G groups of B and C (each serving H / G
 consecutive heads), N state_size, T positions in a chunk. Everything runs in float32; the
 caller casts the output back.
@@ -17,6 +23,11 @@ caller casts the output back.
 from __future__ import annotations
 
 import mlx.core as mx
+
+from ..cpu import on_cpu
+
+# The most positions per chunk on the CPU route (``working_chunk``).
+CPU_CHUNK = 64
 
 
 def grouped(t: mx.array, n_groups: int) -> mx.array:
@@ -63,12 +74,19 @@ def chunk_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
     return mx.swapaxes(y, 1, 2), new_state
 
 
+def working_chunk(chunk_size: int) -> int:
+    """The positions per chunk the scan runs: ``chunk_size``, at most ``CPU_CHUNK`` on the CPU."""
+    return min(chunk_size, CPU_CHUNK) if on_cpu() else chunk_size
+
+
 def ssd_chunked(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array, chunk_size: int,
                 state: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """The chunked form over a whole prompt: x (B, L, H, P), dt (B, L, H) (already
     softplus'd and clipped), A (H,) (negative), B and C (B, L, G, N), ``state`` (B, H, P, N)
-    or None (zeros) -> (y (B, L, H, P) without the D skip, the final state)."""
+    or None (zeros) -> (y (B, L, H, P) without the D skip, the final state); chunks of
+    ``working_chunk(chunk_size)`` positions."""
     batch, length, heads, head_dim = x.shape
+    chunk_size = working_chunk(chunk_size)
     if state is None:
         state = mx.zeros((batch, heads, head_dim, B.shape[-1]), dtype=mx.float32)
     x, dt, B, C = (t.astype(mx.float32) for t in (x, dt, B, C))

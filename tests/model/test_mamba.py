@@ -14,6 +14,8 @@ from mlx.utils import tree_map
 from mlx_tfm.errors import UserError
 from mlx_tfm.model.config import ModelArgs
 from mlx_tfm.model.mamba import GatedRMSNorm, Mamba2Mixer, ParallelCache, selective_scan
+from mlx_tfm.cpu import generic_routes, on_cpu
+from mlx_tfm.model import ssd
 from mlx_tfm.model.ssd import ssd_chunked, ssd_step
 from mlx_tfm.model.transformer import Model
 
@@ -92,6 +94,25 @@ def test_gradients_equal_through_both_forms():
         assert np.all(np.isfinite(np.array(g_chunked))), name
         np.testing.assert_allclose(np.array(g_chunked), np.array(g_step), atol=1e-4, rtol=1e-4, err_msg=name)
 
+
+
+def test_the_cpu_route_reads_long_chunks_in_shorter_ones(monkeypatch):
+    """A checkpoint's chunks of 256 (Mamba-2's) run as chunks of ``CPU_CHUNK`` on the CPU
+    route and whole on the plain route (what Metal runs); both are the stepped scan."""
+    lengths = []
+    real_chunk_scan = ssd.chunk_scan
+    monkeypatch.setattr(ssd, "chunk_scan", lambda x, *rest: lengths.append(x.shape[1]) or real_chunk_scan(x, *rest))
+    x, dt, A, B, C = scan_inputs(300, batch=1)
+    y_step, state_step = stepped(x, dt, A, B, C)
+    y_cpu, state_cpu = ssd_chunked(x, dt, A, B, C, 256)
+    assert lengths == ([64, 64, 64, 64, 44] if on_cpu() else [256, 44])
+    lengths.clear()
+    with generic_routes():
+        y_plain, state_plain = ssd_chunked(x, dt, A, B, C, 256)
+    assert lengths == [256, 44]
+    for y, state in ((y_cpu, state_cpu), (y_plain, state_plain)):
+        np.testing.assert_allclose(np.array(y), np.array(y_step), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.array(state), np.array(state_step), atol=1e-4, rtol=1e-4)
 
 # -- the mixer and models built of it ------------------------------------------------------
 
