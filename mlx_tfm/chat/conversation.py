@@ -34,6 +34,7 @@ from ..errors import UserError
 from ..generation.text_to_text import check_decoder
 from ..generation.token_cache import TokenCache
 from ..jsonfile import read_json
+from .images import ChatImages, refuse_with_draft
 
 # -- sampling settings (the /set parameters) --------------------------------------------
 
@@ -201,6 +202,7 @@ class ChatSession:
         self.cache = TokenCache(model, max_kv_size=max_kv_size, kv_quantization=kv_quantization, chunk_bound=True)
         self.draft_cache = TokenCache(draft_model) if draft_model is not None else None
         self.speculation = dict(num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+        self.images = ChatImages(model, tokenizer)  # /image: attached to the next message
 
     # -- settings ---------------------------------------------------------------------
     def set(self, name: str, text: str) -> float | int:
@@ -213,7 +215,16 @@ class ChatSession:
         return value
 
     # -- rendering and the cache ------------------------------------------------------
+    def attach_image(self, path: str) -> int:
+        """Attach the image at ``path`` to the next message (read and encoded now); returns
+        how many are attached."""
+        refuse_with_draft(self.draft_cache)
+        self.images.attach(path)
+        return len(self.images.pending)
+
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if ChatImages.of(messages):  # each image's tokens written out in its message
+            return self.images.render(messages, add_generation_prompt)
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
     def context_used(self) -> int:
@@ -284,11 +295,13 @@ class ChatSession:
         from ..generation.stream import stream_generate
 
         start = time.perf_counter()
-        self.conversation.turns.append({"role": "user", "content": message})
+        images = self.images.take_pending()
+        self.conversation.turns.append({"role": "user", "content": message, **({"images": images} if images else {})})
         try:
             target = self._prompt_for_new_message()
-        except UserError:  # too long, or refused by the template: the message is not kept
+        except UserError:  # too long, or refused by the template: the message is not kept, its images wait
             self.conversation.turns.pop()
+            self.images.pending = images
             raise
         feed = self.cache.prepare(target)
         new_prompt_tokens = len(feed)
@@ -296,7 +309,8 @@ class ChatSession:
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
-        stream = stream_generate(self.model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
+        model = self.images.bound(self.conversation.messages(), target)  # the image tokens fed get their features
+        stream = stream_generate(model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
                                  prompt_cache=self.cache.layers, **self._speculation())
         tokens: list[int] = []
         first_token_s, last = 0.0, None
@@ -353,6 +367,7 @@ class ChatSession:
     def clear(self, system_prompt_too: bool = False) -> None:
         """A new conversation; the system prompt stays unless asked otherwise."""
         self.conversation.turns.clear()
+        self.images.pending = []
         if system_prompt_too:
             self.conversation.system = None
         self.reset_cache()
