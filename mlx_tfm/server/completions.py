@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.images import ImageInputs
 from ..engine.requests import Request
 from ..generation.sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -181,18 +182,7 @@ def chat_rows(serving: Serving, request: ChatCompletionRequest,
     translate theirs into one). ``raw_prompt``: a text given as it is, with no chat template
     (Ollama's ``raw`` generate), encoded as a legacy completion's prompt."""
     serving.check_model(request.model)
-    sources = request_images(serving, request)
-    images = image_inputs(serving, sources) if sources else None  # every image refused or read before rendering
-    if raw_prompt is None:
-        prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
-    else:
-        prompt_text = raw_prompt
-    if images is not None:
-        ids = image_prompt_ids(serving, prompt_text, images, "messages")
-    elif raw_prompt is None:
-        ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
-    else:
-        ids = text_prompt(serving.tokenizer, raw_prompt)
+    prompt_text, ids, images = prompt_of(serving, request, raw_prompt)
     check_prompt(ids, serving.vocab_size, serving.context, "messages")
 
     tool_format, reasoning = answer_formats(serving.settings, serving.tokenizer.chat_template, request)
@@ -213,6 +203,21 @@ def chat_rows(serving: Serving, request: ChatCompletionRequest,
     choices = [ChatChoice(AnswerParser(starts_thinking, calls_format, schemas, reasoning), serving, request.logprobs,
                           markers) for _ in rows]
     return request, rows, choices
+
+
+def prompt_of(serving: Serving, request: ChatCompletionRequest,
+              raw_prompt: str | None = None) -> tuple[str, list[int], ImageInputs | None]:
+    """(the prompt's text, its ids, its images or None): the chat template's rendering, or
+    ``raw_prompt`` as it is; each image's placeholder written out as its tokens."""
+    sources = request_images(serving, request)
+    images = image_inputs(serving, sources) if sources else None  # every image refused or read before rendering
+    prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args) \
+        if raw_prompt is None else raw_prompt
+    if images is not None:
+        return prompt_text, image_prompt_ids(serving, prompt_text, images, "messages"), images
+    if raw_prompt is None:
+        return prompt_text, serving.tokenizer.encode(prompt_text, add_special_tokens=False), None
+    return prompt_text, text_prompt(serving.tokenizer, raw_prompt), None
 
 
 def request_images(serving: Serving, request: ChatCompletionRequest) -> list[tuple[bytes | Path, str]]:

@@ -181,3 +181,43 @@ def test_an_image_for_a_text_only_model(stories_hf):
     for process in served("--model", str(stories_hf), "--max-tokens", "4", "--log-level", "warning"):
         one_line_400(chat(spec_checking_http_client(), process, part(data_url(0))), "reads text only",
                      param="messages.0.content.1.type")
+
+
+def test_responses_input_image_and_a_follow_up(http, server, llava):
+    messages = [image_message(0)]
+    body = http.post(f"{server.url}/responses", json={"max_output_tokens": 6, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(0)}, {"type": "input_text", "text": QUESTION}]}]})
+    assert body.status_code == 200, body.text
+    answer = body.json()["output"][-1]["content"][0]["text"]
+    assert answer == expected_text(llava, messages, [0])
+    follow = http.post(f"{server.url}/responses", json={"max_output_tokens": 6, "input": "and that",
+                                                        "previous_response_id": body.json()["id"]}).json()
+    turn = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "and that"}]
+    assert follow["output"][-1]["content"][0]["text"] == expected_text(llava, turn, [0])
+    assert follow["usage"]["input_tokens_details"]["cached_tokens"] >= body.json()["usage"]["input_tokens"] - 1
+    missing = http.post(f"{server.url}/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "file_id": "file-1"}]}]})
+    one_line_400(missing, "file_id", param="input.0.content.0.image_url")
+
+
+def test_anthropic_image_blocks(server, llava, folder):
+    image = base64.b64encode(png_bytes(0)).decode()
+    body = httpx.post(f"{server.root}/v1/messages", timeout=60, json={
+        "model": folder.name, "max_tokens": 6, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image}},
+            {"type": "text", "text": QUESTION}]}]})
+    assert body.status_code == 200, body.text
+    assert body.json()["content"][0]["text"] == expected_text(llava, [image_message(0)], [0])
+    counted = httpx.post(f"{server.root}/v1/messages/count_tokens", timeout=60, json={
+        "model": folder.name, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image}},
+            {"type": "text", "text": QUESTION}]}]}).json()
+    assert counted["input_tokens"] == body.json()["usage"]["input_tokens"]
+
+
+def test_responses_input_items_list_the_image(http, server):
+    body = http.post(f"{server.url}/responses", json={"max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(1)}, {"type": "input_text", "text": QUESTION}]}]}).json()
+    items = http.get(f"{server.url}/responses/{body['id']}/input_items").json()["data"]
+    assert [part["type"] for part in items[0]["content"]] == ["input_image", "input_text"]
+    assert items[0]["content"][0]["image_url"] == data_url(1)
