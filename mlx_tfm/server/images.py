@@ -22,7 +22,8 @@ from ..errors import UserError
 from ..tokenizer.vision_processor import VisionProcessor
 from .errors import APIError, invalid
 
-MAX_IMAGES = 32  # per request: each is preprocessed and encoded before the answer starts
+MAX_IMAGES = 32
+BIDIRECTIONAL_KINDS = ("gemma3",)  # image prompt kinds whose image tokens see each other both ways  # per request: each is preprocessed and encoded before the answer starts
 
 
 def base64_image(data: str, param: str) -> bytes:
@@ -55,6 +56,9 @@ def check_takes_images(serving, param: str) -> VisionProcessor:
     if not isinstance(serving.tokenizer, VisionProcessor):
         raise invalid(param, f"{param}: this model ({serving.model_type or 'text-only'}) reads text only: it takes "
                       "no images", code="images_not_supported")
+    if serving.tokenizer.image_prompt.kind in BIDIRECTIONAL_KINDS:  # the engine refuses them too (engine/rows.py)
+        raise invalid(param, f"{param}: {serving.model_type}'s image tokens attend to each other both ways, which the "
+                      "batching engine does not do yet: use mlx-tfm generate --image", code="images_not_supported")
     return serving.tokenizer
 
 

@@ -127,3 +127,30 @@ def run_failing(engine, request):
     while engine.step():
         pass
     return [([], events[-1])]
+
+
+def test_gemma3_image_rows_are_refused_in_one_line(tmp_path):
+    """Gemma 3's image tokens attend to each other both ways: its mask is built for one
+    sequence's offset, so the engine refuses its images rather than answer wrongly; the
+    server refuses them with a 400 before they reach it."""
+    import json
+    from types import SimpleNamespace
+
+    from fixtures.vision_models import make_vision_model
+    from fixtures.vision_processors import processor as hf_processor
+
+    from mlx_tfm.server.errors import APIError
+    from mlx_tfm.server.images import image_inputs
+
+    reference = hf_processor("gemma3", tokens_per_view=4)
+    make_vision_model("gemma3", tmp_path, image_token_index=reference.tokenizer.convert_tokens_to_ids("<image_soft_token>"))
+    reference.tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    model, processor = load(tmp_path)
+    request = image_request(processor, "user: describe <start_of_image> assistant:", two_images()[:1])
+    (_, final), = run_failing(Engine(model, processor), request)
+    assert final.finish_reason == "error" and "both ways" in final.error and "\n" not in final.error
+    serving = SimpleNamespace(tokenizer=processor, model_type="gemma3")
+    with pytest.raises(APIError) as error:
+        image_inputs(serving, [(b"", "messages.0.content.0.image_url")])
+    assert error.value.status == 400 and "both ways" in error.value.message
