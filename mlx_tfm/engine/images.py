@@ -17,6 +17,7 @@ still has image tokens to read after the prefix it reused.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -77,7 +78,7 @@ def read_images(processor, sources: list) -> ImageInputs:
     per_view = processor.image_prompt.tokens_per_view
     starts = np.cumsum([0, *inputs["views"]])
     digests = tuple(hashlib.sha256(np.ascontiguousarray(inputs["pixel_values"][a:b]).tobytes()).hexdigest()
-                    for a, b in zip(starts[:-1], starts[1:]))
+                    for a, b in itertools.pairwise(starts))
     return ImageInputs(pixel_values=inputs["pixel_values"],
                        tokens_per_image=tuple(views * per_view for views in inputs["views"]),
                        rows=tuple(inputs["rows"]), cols=tuple(inputs["cols"]), digests=digests)
@@ -102,4 +103,4 @@ def image_token_counts(prompt: list[int], image_token_id: int) -> list[int]:
     return counts
 
 
-__all__ = ["ImageInputs", "read_images", "joined", "image_token_counts"]
+__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images"]

@@ -20,7 +20,13 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from ..tokenizer.vision_processor import VisionProcessor
-from .completions import answer_deltas, answer_when_done, chat_rows, framed_stream, prompt_of
+from .completions import (
+    answer_deltas,
+    answer_when_done,
+    chat_rows,
+    framed_stream,
+    prompt_of,
+)
 from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid

@@ -95,4 +95,4 @@ def image_prompt_ids(serving, text: str, images: ImageInputs, param: str) -> lis
     return ids
 
 
-__all__ = ["base64_image", "image_bytes", "check_takes_images", "image_inputs", "image_prompt_ids", "MAX_IMAGES"]
+__all__ = ["MAX_IMAGES", "base64_image", "check_takes_images", "image_bytes", "image_inputs", "image_prompt_ids"]

@@ -60,7 +60,7 @@ class ImagePart(Lenient):
     image_url: ImageURL
 
 
-ContentPart = Union[TextPart, ImagePart]
+ContentPart = TextPart | ImagePart
 
 
 class FunctionCall(Lenient):

@@ -197,7 +197,7 @@ def check_item(item, where: str) -> None:
                           "is not supported by this server")
 
 
-def check_images(serving, request: "ResponsesRequest") -> None:
+def check_images(serving, request: ResponsesRequest) -> None:
     """A text-only model refuses the first input_image by name."""
     if isinstance(serving.tokenizer, VisionProcessor) or not isinstance(request.input, list):
         return

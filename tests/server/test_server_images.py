@@ -95,7 +95,7 @@ def test_an_image_row_alone_and_beside_text_rows(http, server):
         thread.start()
     for thread in threads:
         thread.join()
-    assert answers["image"] == alone and len(set(answers[f"text{i}"] for i in range(3))) == 1
+    assert answers["image"] == alone and len({answers[f"text{i}"] for i in range(3)}) == 1
 
 
 def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(http, server, llava):
@@ -107,7 +107,7 @@ def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(http, server, 
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= answer["usage"]["prompt_tokens"] - 1
     assert second["choices"][0]["message"]["content"] == expected_text(llava, turn, [0])
     other = chat(http, server, [image_message(2, text="describe that picture")]).json()  # an image never sent
-    model, processor = llava
+    _, processor = llava
     text = processor.apply_chat_template([{"role": "user", "content": processor.placeholder}], tokenize=False)
     before_image = len(processor.encode(text.split(processor.placeholder)[0], add_special_tokens=False))
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] <= before_image
