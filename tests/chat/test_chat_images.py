@@ -4,6 +4,9 @@ its images' features (generation/images.py's ImageBoundModel); a follow-up quest
 feeds only its new tokens and never runs the tower again; /undo and asking again give
 the same answer; a bad path or a non-image is one line and the session goes on."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from fixtures.vision_images import two_images
@@ -21,8 +24,13 @@ from mlx_tfm.model.vision_tower import VisionTower
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return load(llava_folder(tmp_path_factory.mktemp("llava")))
+def folder(tmp_path_factory):
+    return llava_folder(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def llava(folder):
+    return load(folder)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +133,19 @@ def test_bad_images_are_one_line_and_the_session_goes_on(llava, pictures, storie
     text_session = ChatSession(text_model, tokenizer, Settings(max_tokens=4), on_notice=lambda text: None)
     with pytest.raises(UserError, match="reads text only"):
         run_command(text_session, f"/image {paths[0]}")
+
+
+def test_image_in_the_repl(folder, llava, pictures):
+    """`mlx-tfm chat` with piped input: bad /image lines are one bracketed line each and
+    the chat goes on; the answer about the attached image is the session's."""
+    paths, not_an_image = pictures
+    expected = reference(llava, [("describe this", [paths[0]], None)])
+    lines = [f"/image {paths[0]}.missing", f"/image {not_an_image}", f"/image {paths[0]}", "describe this"]
+    result = subprocess.run([sys.executable, "-m", "mlx_tfm", "chat", "--model", str(folder), "--max-tokens", "6"],
+                            input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == f"[no image file at {paths[0]}.missing]"
+    assert out[1].startswith(f"[{not_an_image} is not an image") and out[1].endswith("]")
+    assert out[2].startswith(f"Attached {paths[0]}")
+    assert expected.strip() and expected in result.stdout
