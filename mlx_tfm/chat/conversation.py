@@ -149,7 +149,10 @@ def conversation_from_messages(messages: list, source: str) -> Conversation:
         if role == "system" and i == 0:
             conversation.system = message["content"]
         elif role == expected:
-            conversation.turns.append({"role": role, "content": message["content"]})
+            images = message.get("images") if role == "user" else None  # paths, as /save writes them
+            if images is not None and not (isinstance(images, list) and all(isinstance(p, str) for p in images)):
+                raise UserError(f"{source}: message {i + 1} needs \"images\" as a list of file paths")
+            conversation.turns.append({"role": role, "content": message["content"], **({"images": images} if images else {})})
         else:
             raise UserError(f"{source}: message {i + 1} has role {role!r}, expected {expected!r}")
     if conversation.turns and conversation.turns[-1]["role"] != "assistant":
@@ -242,7 +245,8 @@ class ChatSession:
 
         from ..generation.step import prefill
 
-        prefill(self.model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
+        model = self.images.bound(self.conversation.messages(), tokens)  # its image tokens get their features
+        prefill(model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
         self.cache.record(tokens)
 
     def rebuild_cache(self) -> int:
@@ -378,11 +382,12 @@ class ChatSession:
 
     def save(self, path: str | Path) -> int:
         """Save the conversation (``save_conversation``); returns how many messages were written."""
-        return save_conversation(path, self.conversation, self.model_name)
+        return save_conversation(path, self.images.with_paths(self.conversation), self.model_name)
 
     def load(self, path: str | Path) -> int:
         """Replace the conversation with a saved one and rebuild the cache for it."""
-        self.conversation = load_conversation(path)
+        conversation = load_conversation(path)
+        self.conversation = self.images.with_digests(conversation)  # each image read and encoded again
         return self.rebuild_cache()
 
     def describe_settings(self) -> str:

@@ -29,6 +29,7 @@ class ChatImages:
         self.pending: list[str] = []
         self.inputs: dict[str, ImageInputs] = {}
         self.features: dict[str, mx.array] = {}
+        self.paths: dict[str, str] = {}  # where each image was read from (/save writes them)
 
     def attach(self, path: str) -> str:
         """Read, preprocess and encode the image at ``path`` for the next message; returns
@@ -36,11 +37,32 @@ class ChatImages:
         check_takes_images(self.model, self.processor)
         inputs = read_images(self.processor, [path])
         digest = inputs.digests[0]
+        self.paths.setdefault(digest, str(path))
         if digest not in self.features:
             self.inputs[digest] = inputs
             self.features[digest] = inputs.encode(self.model)
         self.pending.append(digest)
         return digest
+
+    def with_paths(self, conversation):
+        """A copy of ``conversation`` whose turns name their images by path (to save it)."""
+        return self._mapped(conversation, lambda digests: [self.paths[d] for d in digests])
+
+    def with_digests(self, conversation):
+        """A copy of a loaded ``conversation`` whose turns' image paths are read and encoded
+        again, named by digest; a path that no longer holds an image is a ``UserError``."""
+        def read(paths: list[str]) -> list[str]:
+            digests = [self.attach(path) for path in paths]
+            self.pending = self.pending[:-len(paths)]  # attached to their own turn, not the next one
+            return digests
+
+        return self._mapped(conversation, read)
+
+    @staticmethod
+    def _mapped(conversation, change):
+        turns = [{**turn, "images": change(turn["images"])} if turn.get("images") else turn
+                 for turn in conversation.turns]
+        return type(conversation)(conversation.system, turns)
 
     def take_pending(self) -> list[str]:
         pending, self.pending = self.pending, []

@@ -142,10 +142,28 @@ def test_image_in_the_repl(folder, llava, pictures):
     expected = reference(llava, [("describe this", [paths[0]], None)])
     lines = [f"/image {paths[0]}.missing", f"/image {not_an_image}", f"/image {paths[0]}", "describe this"]
     result = subprocess.run([sys.executable, "-m", "mlx_tfm", "chat", "--model", str(folder), "--max-tokens", "6"],
-                            input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
+                            input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
     assert out[0] == f"[no image file at {paths[0]}.missing]"
     assert out[1].startswith(f"[{not_an_image} is not an image") and out[1].endswith("]")
     assert out[2].startswith(f"Attached {paths[0]}")
     assert expected.strip() and expected in result.stdout
+
+
+def test_save_and_load_keep_the_images(llava, pictures, tmp_path):
+    """/save names each image by its path; /load reads them again, so the next answer is
+    that of the conversation with its images (from scratch)."""
+    paths, _ = pictures
+    session = session_of(llava)
+    run_command(session, f"/image {paths[1]}")
+    first = ask(session, "describe this")
+    run_command(session, f"/save {tmp_path / 'chat.json'}")
+    saved = (tmp_path / "chat.json").read_text()
+    assert paths[1] in saved
+    loaded = session_of(llava)
+    run_command(loaded, f"/load {tmp_path / 'chat.json'}")
+    assert ask(loaded, "and that") == reference(llava, [("describe this", [paths[1]], first), ("and that", [], None)])
+    (tmp_path / "gone.json").write_text(saved.replace(paths[1], paths[1] + ".gone"))
+    with pytest.raises(UserError, match="no image file"):
+        run_command(session_of(llava), f"/load {tmp_path / 'gone.json'}")
