@@ -154,3 +154,27 @@ def test_gemma3_image_rows_are_refused_in_one_line(tmp_path):
     with pytest.raises(APIError) as error:
         image_inputs(serving, [(b"", "messages.0.content.0.image_url")])
     assert error.value.status == 400 and "both ways" in error.value.message
+
+
+def test_smolvlm_tiled_images_in_chunks_beside_text_rows(tmp_path):
+    """SmolVLM cuts the two test images into different numbers of tiles (rows of
+    <row_r_col_c> tokens between the image tokens): each chunk still gets its own."""
+    import json
+
+    from fixtures.vision_models import make_vision_model
+    from fixtures.vision_processors import processor as hf_processor
+
+    reference = hf_processor("idefics3", tokens_per_view=4)
+    make_vision_model("smolvlm", tmp_path, image_token_id=reference.tokenizer.convert_tokens_to_ids("<image>"))
+    reference.tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
+    model, processor = load(tmp_path)
+    prompt = "user: describe <image> and <image> assistant:"
+    expected = [r.token for r in stream_generate(model, processor, prompt, images=two_images(), max_tokens=6,
+                                                 sampler=make_sampler(temp=0.0))]
+    request = image_request(processor, prompt, two_images())
+    assert request.images.tokens_per_image[0] != request.images.tokens_per_image[1]
+    text = Request(processor.encode("user: describe this picture and that assistant:"), 6, GREEDY)
+    for step in (2048, 7):
+        results = run(Engine(model, processor, prefill_step_size=step), [text, request, text])
+        assert results[1][0] == expected
