@@ -247,11 +247,12 @@ class ChatSession:
 
         model = self.images.bound(self.conversation.messages(), tokens)  # its image tokens get their features
         prefill(model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
-        self.cache.record(tokens)
+        self.cache.record(self.images.keys(self.conversation.messages(), tokens))
 
     def rebuild_cache(self) -> int:
         """Re-process the whole conversation into a fresh cache; returns its length."""
         self.reset_cache()
+        self.conversation = self.images.with_digests(self.conversation)  # a loaded one's images read again
         self._drop_to_fit(self.render(self.conversation.messages()))
         tokens = self.render(self.conversation.messages(), add_generation_prompt=False)
         self.prefill(tokens[: self.context_limit])
@@ -307,9 +308,11 @@ class ChatSession:
             self.conversation.turns.pop()
             self.images.pending = images
             raise
-        feed = self.cache.prepare(target)
+        keys = self.images.keys(self.conversation.messages(), target)  # images: by their content, not their ids
+        feed = target[len(target) - len(self.cache.prepare(keys)):]
         new_prompt_tokens = len(feed)
-        feed = self.cache.feed_to_snapshot(feed)  # recurrent layers: a state to come back to (/undo)
+        if keys is target:  # recurrent layers: a state to come back to (/undo); not read with images
+            feed = self.cache.feed_to_snapshot(feed)
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
@@ -328,7 +331,7 @@ class ChatSession:
                     break
         finally:
             stream.close()
-            self._finish_answer(target, tokens)
+            self._finish_answer(keys, tokens)
         if last is not None:
             self._record_stats(last, new_prompt_tokens, len(target) + len(tokens), first_token_s)
             if last.finish_reason == "length" and budget < self.settings.max_tokens:
@@ -386,8 +389,8 @@ class ChatSession:
 
     def load(self, path: str | Path) -> int:
         """Replace the conversation with a saved one and rebuild the cache for it."""
-        conversation = load_conversation(path)
-        self.conversation = self.images.with_digests(conversation)  # each image read and encoded again
+        conversation = self.images.with_digests(load_conversation(path))  # an image gone: nothing changes
+        self.conversation = conversation
         return self.rebuild_cache()
 
     def describe_settings(self) -> str:

@@ -5,8 +5,9 @@ loader, which refuses what is not an image) and its features computed once, at
 ``/image``; they are kept by the image's content digest. A user turn that carried images
 names their digests (``turn["images"]``). Rendering the conversation writes each image's
 placeholder where the template puts it and expands it into the image's tokens, so the
-session's ``TokenCache`` holds them like any other tokens: a follow-up question reuses
-them from the cache, and only the tokens after the common prefix are fed (with the
+session's ``TokenCache`` holds them like any other tokens (recorded by their image's key,
+so that another image in the same place is never taken for it): a follow-up question
+reuses them from the cache, and only the tokens after the common prefix are fed (with the
 features of the image tokens among them: ``ImageBoundModel``).
 """
 
@@ -49,11 +50,16 @@ class ChatImages:
         return self._mapped(conversation, lambda digests: [self.paths[d] for d in digests])
 
     def with_digests(self, conversation):
-        """A copy of a loaded ``conversation`` whose turns' image paths are read and encoded
-        again, named by digest; a path that no longer holds an image is a ``UserError``."""
-        def read(paths: list[str]) -> list[str]:
-            digests = [self.attach(path) for path in paths]
-            self.pending = self.pending[:-len(paths)]  # attached to their own turn, not the next one
+        """A copy of ``conversation`` whose turns name every image by digest: a path (a
+        loaded conversation's) is read and encoded again; a path that no longer holds an
+        image is a ``UserError``."""
+        def read(names: list[str]) -> list[str]:
+            digests = []
+            for name in names:
+                if name not in self.features:  # a path: read and encoded, for its own turn, not the next one
+                    name = self.attach(name)
+                    self.pending.pop()
+                digests.append(name)
             return digests
 
         return self._mapped(conversation, read)
@@ -89,6 +95,15 @@ class ChatImages:
         if digests:
             text = joined([self.inputs[d] for d in digests]).expand(self.processor, text)
         return self.processor.encode(text, add_special_tokens=False)
+
+    def keys(self, messages: list[dict], ids: list[int]) -> list[int]:
+        """``ids`` (the rendered ``messages``) as the session's cache records them: each
+        image token its image's key (engine/images.py), so that a cache holding another
+        image's tokens is never taken for this one's. ``ids`` itself when there are none."""
+        digests = self.of(messages)
+        if not digests:
+            return ids
+        return joined([self.inputs[d] for d in digests]).cache_keys(ids, self.model.vision_args.image_token_id)
 
     def bound(self, messages: list[dict], target: list[int]):
         """The model to feed ``target`` (the rendered ``messages``) through: bound to their

@@ -166,4 +166,5 @@ def test_save_and_load_keep_the_images(llava, pictures, tmp_path):
     assert ask(loaded, "and that") == reference(llava, [("describe this", [paths[1]], first), ("and that", [], None)])
     (tmp_path / "gone.json").write_text(saved.replace(paths[1], paths[1] + ".gone"))
     with pytest.raises(UserError, match="no image file"):
-        run_command(session_of(llava), f"/load {tmp_path / 'gone.json'}")
+        run_command(loaded, f"/load {tmp_path / 'gone.json'}")
+    assert len(loaded.conversation.turns) == 4 and ask(loaded, "and this")  # the conversation it had goes on
