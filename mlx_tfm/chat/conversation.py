@@ -152,7 +152,8 @@ def conversation_from_messages(messages: list, source: str) -> Conversation:
             images = message.get("images") if role == "user" else None  # paths, as /save writes them
             if images is not None and not (isinstance(images, list) and all(isinstance(p, str) for p in images)):
                 raise UserError(f"{source}: message {i + 1} needs \"images\" as a list of file paths")
-            conversation.turns.append({"role": role, "content": message["content"], **({"images": images} if images else {})})
+            turn = {"role": role, "content": message["content"]}
+            conversation.turns.append({**turn, "images": images} if images else turn)
         else:
             raise UserError(f"{source}: message {i + 1} has role {role!r}, expected {expected!r}")
     if conversation.turns and conversation.turns[-1]["role"] != "assistant":

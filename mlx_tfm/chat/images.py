@@ -117,7 +117,8 @@ class ChatImages:
 
 def refuse_with_draft(draft_model) -> None:
     if draft_model is not None:
-        raise UserError("images cannot be used with a draft model (it reads text only): start chat without --draft-model")
+        raise UserError("images cannot be used with a draft model (it reads text only): "
+                        "start chat without --draft-model")
 
 
 __all__ = ["ChatImages", "refuse_with_draft"]

@@ -77,8 +77,8 @@ class Row:
         if not isinstance(model, VisionLanguageModel):
             raise UserError(f"this model ({model.args.model_type}) reads text only: it takes no images")
         if model.vision_args.image_attention == "bidirectional":  # its mask needs one offset for the whole batch
-            raise UserError(f"{model.args.model_type}'s image tokens attend to each other both ways, which the batching "
-                            "engine does not do yet: use mlx-tfm generate or chat --image")
+            raise UserError(f"{model.args.model_type}'s image tokens attend to each other both ways, which the "
+                            "batching engine does not do yet: use mlx-tfm generate --image")
         image_token_id = model.vision_args.image_token_id
         if prompt[-1] == image_token_id:  # the first decoding step feeds it, without features
             raise UserError("the prompt ends with an image's tokens: put text after the image")

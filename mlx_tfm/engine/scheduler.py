@@ -117,8 +117,9 @@ class Scheduler:
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
                           for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end
         try:
-            features = [f for r, n in zip(rows, feeds) if (f := r.chunk_features(self.model, r.fed, r.fed + n)) is not None]
-            images = {"image_features": mx.concatenate(features)} if features else {}  # row by row, as the chunk
+            features = [r.chunk_features(self.model, r.fed, r.fed + n) for r, n in zip(rows, feeds)]
+            features = [f for f in features if f is not None]  # row by row, as the chunk's image tokens come
+            images = {"image_features": mx.concatenate(features)} if features else {}
             with prompt_layer_by_layer():
                 self.model(chunk, cache=self.group.caches, **images)
             for layer in self.group.caches:

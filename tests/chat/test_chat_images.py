@@ -129,6 +129,10 @@ def test_bad_images_are_one_line_and_the_session_goes_on(llava, pictures, storie
         assert "\n" not in str(error.value)
     assert session.images.pending == []
     assert ask(session, "describe this") == reference(llava, [("describe this", [], None)])
+    model, processor = llava
+    drafted = ChatSession(model, processor, Settings(max_tokens=4), on_notice=lambda text: None, draft_model=model)
+    with pytest.raises(UserError, match="cannot be used with a draft model"):
+        run_command(drafted, f"/image {paths[0]}")
     text_model, tokenizer = load(stories_hf)
     text_session = ChatSession(text_model, tokenizer, Settings(max_tokens=4), on_notice=lambda text: None)
     with pytest.raises(UserError, match="reads text only"):
