@@ -113,6 +113,12 @@ def _load(session: ChatSession, argument: str) -> str:
             f"({n_tokens} tokens in the cache).")
 
 
+def _image(session: ChatSession, argument: str) -> str:
+    path = _needs_file(argument, "image")
+    count = session.attach_image(path)
+    return f"Attached {path} to the next message ({count} image(s) so far)."
+
+
 def _undo(session: ChatSession, argument: str) -> str:
     return "Dropped the last exchange." if session.undo() else "Nothing to undo."
 
@@ -130,6 +136,7 @@ COMMANDS: dict[str, Command] = {
     "stats": Command("/stats", "speed and memory of the last answer", _stats),
     "save": Command("/save FILE", "save the conversation as JSON", _save),
     "load": Command("/load FILE", "load a saved conversation (rebuilds the cache)", _load),
+    "image": Command("/image FILE", "attach an image to the next message (several allowed)", _image),
     "undo": Command("/undo", "drop the last exchange", _undo),
     "bye": Command("/bye", "leave (also /exit)", _bye),
 }

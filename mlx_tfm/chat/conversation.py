@@ -34,6 +34,7 @@ from ..errors import UserError
 from ..generation.text_to_text import check_decoder
 from ..generation.token_cache import TokenCache
 from ..jsonfile import read_json
+from .images import ChatImages, refuse_with_draft
 
 # -- sampling settings (the /set parameters) --------------------------------------------
 
@@ -148,7 +149,11 @@ def conversation_from_messages(messages: list, source: str) -> Conversation:
         if role == "system" and i == 0:
             conversation.system = message["content"]
         elif role == expected:
-            conversation.turns.append({"role": role, "content": message["content"]})
+            images = message.get("images") if role == "user" else None  # paths, as /save writes them
+            if images is not None and not (isinstance(images, list) and all(isinstance(p, str) for p in images)):
+                raise UserError(f"{source}: message {i + 1} needs \"images\" as a list of file paths")
+            turn = {"role": role, "content": message["content"]}
+            conversation.turns.append({**turn, "images": images} if images else turn)
         else:
             raise UserError(f"{source}: message {i + 1} has role {role!r}, expected {expected!r}")
     if conversation.turns and conversation.turns[-1]["role"] != "assistant":
@@ -201,6 +206,7 @@ class ChatSession:
         self.cache = TokenCache(model, max_kv_size=max_kv_size, kv_quantization=kv_quantization, chunk_bound=True)
         self.draft_cache = TokenCache(draft_model) if draft_model is not None else None
         self.speculation = dict(num_draft_tokens=num_draft_tokens, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+        self.images = ChatImages(model, tokenizer)  # /image: attached to the next message
 
     # -- settings ---------------------------------------------------------------------
     def set(self, name: str, text: str) -> float | int:
@@ -213,7 +219,16 @@ class ChatSession:
         return value
 
     # -- rendering and the cache ------------------------------------------------------
+    def attach_image(self, path: str) -> int:
+        """Attach the image at ``path`` to the next message (read and encoded now); returns
+        how many are attached."""
+        refuse_with_draft(self.draft_cache)
+        self.images.attach(path)
+        return len(self.images.pending)
+
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if ChatImages.of(messages):  # each image's tokens written out in its message
+            return self.images.render(messages, add_generation_prompt)
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
     def context_used(self) -> int:
@@ -231,12 +246,14 @@ class ChatSession:
 
         from ..generation.step import prefill
 
-        prefill(self.model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
-        self.cache.record(tokens)
+        model = self.images.bound(self.conversation.messages(), tokens)  # its image tokens get their features
+        prefill(model, mx.array(tokens, dtype=mx.int32), self.cache.layers)
+        self.cache.record(self.images.keys(self.conversation.messages(), tokens))
 
     def rebuild_cache(self) -> int:
         """Re-process the whole conversation into a fresh cache; returns its length."""
         self.reset_cache()
+        self.conversation = self.images.with_digests(self.conversation)  # a loaded one's images read again
         self._drop_to_fit(self.render(self.conversation.messages()))
         tokens = self.render(self.conversation.messages(), add_generation_prompt=False)
         self.prefill(tokens[: self.context_limit])
@@ -284,19 +301,24 @@ class ChatSession:
         from ..generation.stream import stream_generate
 
         start = time.perf_counter()
-        self.conversation.turns.append({"role": "user", "content": message})
+        images = self.images.take_pending()
+        self.conversation.turns.append({"role": "user", "content": message, **({"images": images} if images else {})})
         try:
             target = self._prompt_for_new_message()
-        except UserError:  # too long, or refused by the template: the message is not kept
+        except UserError:  # too long, or refused by the template: the message is not kept, its images wait
             self.conversation.turns.pop()
+            self.images.pending = images
             raise
-        feed = self.cache.prepare(target)
+        keys = self.images.keys(self.conversation.messages(), target)  # images: by their content, not their ids
+        feed = target[len(target) - len(self.cache.prepare(keys)):]
         new_prompt_tokens = len(feed)
-        feed = self.cache.feed_to_snapshot(feed)  # recurrent layers: a state to come back to (/undo)
+        if keys is target:  # recurrent layers: a state to come back to (/undo); not read with images
+            feed = self.cache.feed_to_snapshot(feed)
         budget = min(self.settings.max_tokens, self.context_limit - len(target))
         s = self.settings
         sampler = make_sampler(temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
-        stream = stream_generate(self.model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
+        model = self.images.bound(self.conversation.messages(), target)  # the image tokens fed get their features
+        stream = stream_generate(model, self.tokenizer, feed, max_tokens=budget, sampler=sampler,
                                  prompt_cache=self.cache.layers, **self._speculation())
         tokens: list[int] = []
         first_token_s, last = 0.0, None
@@ -310,7 +332,7 @@ class ChatSession:
                     break
         finally:
             stream.close()
-            self._finish_answer(target, tokens)
+            self._finish_answer(keys, tokens)
         if last is not None:
             self._record_stats(last, new_prompt_tokens, len(target) + len(tokens), first_token_s)
             if last.finish_reason == "length" and budget < self.settings.max_tokens:
@@ -353,6 +375,7 @@ class ChatSession:
     def clear(self, system_prompt_too: bool = False) -> None:
         """A new conversation; the system prompt stays unless asked otherwise."""
         self.conversation.turns.clear()
+        self.images.pending = []
         if system_prompt_too:
             self.conversation.system = None
         self.reset_cache()
@@ -363,11 +386,12 @@ class ChatSession:
 
     def save(self, path: str | Path) -> int:
         """Save the conversation (``save_conversation``); returns how many messages were written."""
-        return save_conversation(path, self.conversation, self.model_name)
+        return save_conversation(path, self.images.with_paths(self.conversation), self.model_name)
 
     def load(self, path: str | Path) -> int:
         """Replace the conversation with a saved one and rebuild the cache for it."""
-        self.conversation = load_conversation(path)
+        conversation = self.images.with_digests(load_conversation(path))  # an image gone: nothing changes
+        self.conversation = conversation
         return self.rebuild_cache()
 
     def describe_settings(self) -> str:

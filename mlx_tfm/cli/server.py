@@ -56,6 +56,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-kv-size", type=int,
                         help="bound each request's KV cache to this many positions, rotating (default: unbounded, up "
                              "to the model's context)")
+    parser.add_argument("--allow-local-images", action="store_true",
+                        help="let image parts name file:// paths on this machine (default: refused)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
     decoding_flags.add_arguments(parser)  # refused with one line: see decoding_flags.refuse_in_server
     sharding_flags.add_arguments(parser)
@@ -94,6 +96,7 @@ def settings_from(args):
         prefill_step_size=args.prefill_step_size, prompt_cache_bytes=parse_size(args.prompt_cache_bytes),
         max_kv_size=args.max_kv_size, log_level=args.log_level.lower(), split=sharding_flags.mode(args),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, model_dir=args.model_dir,
+        allow_local_images=args.allow_local_images,
     )
     ServerSettings(model="-", **settings)  # every flag checked before the model is looked for
     return ServerSettings(model=first_model(args) or choose_model(args.model), **settings)

@@ -246,7 +246,7 @@ class Engine:
         for batched, single in zip(caches, layers):
             batched.export_row(index, single)
         mx.eval([layer.state for layer in layers])
-        entry = TokenCache(self.model, self.max_kv_size, layers, row.tokens[:fed])
+        entry = TokenCache(self.model, self.max_kv_size, layers, row.cache_keys[:fed])  # images: their keys
         entry.snapshots = {n: states for n, states in row.snapshots.items() if n < fed}  # recurrent layers
         self.prefix_cache.insert(entry)
 

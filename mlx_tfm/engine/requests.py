@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..generation.sampling import SamplingParams
+from .images import ImageInputs
 
 MAX_TOP_LOGPROBS = 20
 
@@ -21,6 +22,9 @@ class Request:
     # extra per-row processors: processor(tokens (L,) all tokens so far incl. the prompt,
     # logits (1, V)) -> logits (1, V); called once per generated token, in order
     logits_processors: tuple = ()
+    # a vision-language model's images (their tokens are in ``prompt``); the engine runs
+    # the tower on its own thread, only when the prompt's image tokens are not cached
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -39,4 +43,4 @@ class Event:
     internal: bool = False  # the error is an unexpected exception's: its text is for the log, not a client
 
 
-__all__ = ["Request", "Event", "SamplingParams", "MAX_TOP_LOGPROBS"]
+__all__ = ["Request", "Event", "SamplingParams", "ImageInputs", "MAX_TOP_LOGPROBS"]

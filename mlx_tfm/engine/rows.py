@@ -13,7 +13,9 @@ from ..errors import UserError
 from ..generation.sampling import penalties_for
 from ..generation.step import context_room
 from ..generation.stream import TextPieces
+from ..model.vision_language import VisionLanguageModel
 from .batch_cache import BatchCache
+from .images import image_token_counts
 from .requests import MAX_TOP_LOGPROBS, Event, Request
 
 
@@ -36,6 +38,9 @@ class Row:
         self.key: mx.array | None = None
         self.processors: list = []
         self.pieces: TextPieces | None = None
+        self.prompt_keys = self.tokens[:]  # what the prefix cache compares (images: their keys)
+        self.image_counts: list[int] | None = None  # image tokens before each prompt position
+        self.features: mx.array | None = None  # the images' features, once a chunk needs them
 
     @property
     def prompt_length(self) -> int:
@@ -49,6 +54,36 @@ class Row:
     @property
     def prefilled(self) -> bool:
         return self.pending == 0
+
+    @property
+    def cache_keys(self) -> list[int]:
+        """``tokens`` as the prefix cache sees them: each image token its image's key."""
+        return self.prompt_keys + self.tokens[self.prompt_length:]
+
+    def chunk_features(self, model, start: int, end: int) -> mx.array | None:
+        """The image features of prompt positions ``start:end`` (n, D), None when they hold
+        no image token; the tower runs the first time a chunk needs it."""
+        if self.image_counts is None or self.image_counts[start] == self.image_counts[end]:
+            return None
+        if self.features is None:
+            self.features = self.request.images.encode(model)
+        return self.features[self.image_counts[start]:self.image_counts[end]]
+
+    def _prepare_images(self, model) -> None:
+        """Check the request's images against the model and its prompt; key them."""
+        images, prompt = self.request.images, self.request.prompt
+        if images is None:
+            return
+        if not isinstance(model, VisionLanguageModel):
+            raise UserError(f"this model ({model.args.model_type}) reads text only: it takes no images")
+        if model.vision_args.image_attention == "bidirectional":  # its mask needs one offset for the whole batch
+            raise UserError(f"{model.args.model_type}'s image tokens attend to each other both ways, which the "
+                            "batching engine does not do yet: use mlx-tfm generate --image")
+        image_token_id = model.vision_args.image_token_id
+        if prompt[-1] == image_token_id:  # the first decoding step feeds it, without features
+            raise UserError("the prompt ends with an image's tokens: put text after the image")
+        self.prompt_keys = images.cache_keys(prompt, image_token_id)
+        self.image_counts = image_token_counts(prompt, image_token_id)
 
     def event(self, token, text, finish_reason, logprob=None, top=None, error=None, internal=False) -> Event:
         return Event(token=token, text=text, logprob=logprob, top_logprobs=top, finish_reason=finish_reason,
@@ -70,6 +105,7 @@ class Row:
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         self.settings.check(vocab_size)
+        self._prepare_images(model)
         room = context_room(model, single_caches, len(prompt))
         self.max_tokens = request.max_tokens if room is None else min(request.max_tokens, room)
         self.key = mx.random.key(self.settings.seed if self.settings.seed is not None else seed)

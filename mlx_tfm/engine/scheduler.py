@@ -79,7 +79,7 @@ class Scheduler:
         while self.waiting and len(rows) < room:
             row = self.waiting[0]
             limit = row.prompt_length - 1
-            budget += limit - prefix_cache.find(row.tokens, limit=limit)[1]
+            budget += limit - prefix_cache.find(row.cache_keys, limit=limit)[1]
             if (self.group.rows or rows) and streams_running and budget > self.prefill_step_size:
                 break
             self.waiting.popleft()
@@ -90,7 +90,7 @@ class Scheduler:
 
     def _row_caches(self, row: Row, prefix_cache: PrefixCache) -> list[BatchCache]:
         """The row's batched cache per layer, from the longest prefix the prefix cache holds."""
-        entry, cached = prefix_cache.lookup(row.tokens, limit=row.prompt_length - 1)
+        entry, cached = prefix_cache.lookup(row.cache_keys, limit=row.prompt_length - 1)
         if entry is not None:
             caches = [kind.row_from(single, cached) for kind, single in zip(self.kinds, entry.layers_at(cached))]
         else:
@@ -117,8 +117,11 @@ class Scheduler:
         chunk = mx.array([r.tokens[r.fed : r.fed + n] + [PAD_TOKEN] * (length - n)
                           for r, n in zip(rows, feeds)])  # (G, length), each row padded at its end
         try:
+            features = [r.chunk_features(self.model, r.fed, r.fed + n) for r, n in zip(rows, feeds)]
+            features = [f for f in features if f is not None]  # row by row, as the chunk's image tokens come
+            images = {"image_features": mx.concatenate(features)} if features else {}
             with prompt_layer_by_layer():
-                self.model(chunk, cache=self.group.caches)
+                self.model(chunk, cache=self.group.caches, **images)
             for layer in self.group.caches:
                 layer.drop_padding([length - n for n in feeds])
             mx.eval([layer.state for layer in self.group.caches])

@@ -18,13 +18,20 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from .completions import answer_deltas, answer_when_done, chat_rows, framed_stream
+from ..tokenizer.vision_processor import VisionProcessor
+from .completions import (
+    answer_deltas,
+    answer_when_done,
+    chat_rows,
+    framed_stream,
+    prompt_of,
+)
 from .embeddings import decoder_only
 from .engine_client import Generation
 from .errors import APIError, internal_error, invalid
 from .model_swap import serving_of
 from .output import Delta
-from .prompts import arguments_object, chat_prompt
+from .prompts import arguments_object
 from .protocol import ChatCompletionRequest, Lenient, parse_body, validation_error
 from .workers import in_worker
 
@@ -66,13 +73,29 @@ class ThinkingBlock(Lenient):
     signature: str | None = None
 
 
+class ImageSource(Lenient):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None  # base64
+    url: str | None = None  # refused: the server fetches nothing (server/images.py)
+
+    def data_url(self) -> str:
+        """The image as OpenAI's image_url takes it."""
+        return f"data:{self.media_type or 'image/*'};base64,{self.data or ''}" if self.type == "base64" else self.url or ""
+
+
+class ImageBlock(Lenient):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class UnsupportedBlock(Lenient):
     """Blocks a text model cannot read: refused by name rather than dropped."""
 
-    type: Literal["image", "document", "redacted_thinking", "search_result", "server_tool_use"]
+    type: Literal["document", "redacted_thinking", "search_result", "server_tool_use"]
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, UnsupportedBlock],
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ImageBlock, UnsupportedBlock],
                   Field(discriminator="type")]
 
 
@@ -166,8 +189,22 @@ def openai_messages(message: AnthropicMessage, tool_names: dict[str, str]) -> li
     results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text(),
                 **({"name": tool_names[block.tool_use_id]} if block.tool_use_id in tool_names else {})}
                for block in blocks if isinstance(block, ToolResultBlock)]
-    has_text = any(isinstance(block, TextBlock) for block in blocks)
+    has_text = any(isinstance(block, (TextBlock, ImageBlock)) for block in blocks)
+    if any(isinstance(block, ImageBlock) for block in blocks):  # OpenAI's content parts, in order
+        text = [{"type": "image_url", "image_url": {"url": block.source.data_url()}} if isinstance(block, ImageBlock)
+                else {"type": "text", "text": block.text} for block in blocks if isinstance(block, (TextBlock, ImageBlock))]
     return results + ([{"role": "user", "content": text}] if has_text or not results else [])
+
+
+def check_images(serving, request: CountTokensRequest) -> None:
+    """A text-only model refuses the first image block by name."""
+    if isinstance(serving.tokenizer, VisionProcessor):
+        return
+    for i, message in enumerate(request.messages):
+        for j, block in enumerate([] if isinstance(message.content, str) else message.content):
+            if isinstance(block, ImageBlock):
+                raise invalid(f"messages.{i}.content.{j}.type", "content blocks of type 'image' need a vision-language "
+                              f"model: this one ({serving.model_type or 'text-only'}) reads text only")
 
 
 def openai_tool_choice(choice: ToolChoice | None):
@@ -378,6 +415,7 @@ async def messages(http: HTTPRequest, context) -> Response:
     request = parse_body(await context.body(http), MessagesRequest)
     async with serving_of(context.state, request.model) as leased:  # held until the rows are in its engine
         serving = decoder_only(leased)
+        check_images(serving, request)
         openai_request, rows, choices = await in_worker(chat_rows, serving, translated(request))
         generation = Generation(serving.engine, rows)
     stopping = Stopping(serving, openai_request.stop_strings)
@@ -390,10 +428,10 @@ async def messages(http: HTTPRequest, context) -> Response:
 
 
 def prompt_tokens(serving, request: CountTokensRequest) -> int:
+    check_images(serving, request)
     openai_request = translated(request)
     serving.check_model(openai_request.model)
-    text = chat_prompt(serving.tokenizer, openai_request, serving.settings.chat_template_args)
-    return len(serving.tokenizer.encode(text, add_special_tokens=False))
+    return len(prompt_of(serving, openai_request)[1])
 
 
 @anthropic_endpoint

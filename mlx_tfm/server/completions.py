@@ -11,11 +11,13 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.images import ImageInputs
 from ..engine.requests import Request
 from ..generation.sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -32,10 +34,12 @@ from .output import (
     reasoning_format_named,
     reasoning_format_of,
 )
+from .images import check_takes_images, image_bytes, image_inputs, image_prompt_ids
 from .prompts import chat_prompt, check_prompt, text_prompt
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ImagePart,
     SamplingFields,
     parse_body,
 )
@@ -179,11 +183,7 @@ def chat_rows(serving: Serving, request: ChatCompletionRequest,
     translate theirs into one). ``raw_prompt``: a text given as it is, with no chat template
     (Ollama's ``raw`` generate), encoded as a legacy completion's prompt."""
     serving.check_model(request.model)
-    if raw_prompt is None:
-        prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args)
-        ids = serving.tokenizer.encode(prompt_text, add_special_tokens=False)
-    else:
-        prompt_text, ids = raw_prompt, text_prompt(serving.tokenizer, raw_prompt)
+    prompt_text, ids, images = prompt_of(serving, request, raw_prompt)
     check_prompt(ids, serving.vocab_size, serving.context, "messages")
 
     tool_format, reasoning = answer_formats(serving.settings, serving.tokenizer.chat_template, request)
@@ -195,7 +195,7 @@ def chat_rows(serving: Serving, request: ChatCompletionRequest,
         rows.append(Request(prompt=ids, max_tokens=token_limit(request, serving.settings),
                             sampling=sampling_of(request, serving.settings, serving.vocab_size, row),
                             stop_strings=request.stop_strings, logprobs=request.logprobs,
-                            top_logprobs=request.top_logprobs or 0, logits_processors=processors))
+                            top_logprobs=request.top_logprobs or 0, logits_processors=processors, images=images))
     # A grammar writes the answer from its first token: no thinking before it, whatever the prompt opened.
     starts_thinking = reasoning == ReasoningFormat.THINK and prompt_opens_thinking(prompt_text) and not grammar
     # An answer held to response_format is the JSON asked for, never a tool call.
@@ -204,6 +204,33 @@ def chat_rows(serving: Serving, request: ChatCompletionRequest,
     choices = [ChatChoice(AnswerParser(starts_thinking, calls_format, schemas, reasoning), serving, request.logprobs,
                           markers) for _ in rows]
     return request, rows, choices
+
+
+def prompt_of(serving: Serving, request: ChatCompletionRequest,
+              raw_prompt: str | None = None) -> tuple[str, list[int], ImageInputs | None]:
+    """(the prompt's text, its ids, its images or None): the chat template's rendering, or
+    ``raw_prompt`` as it is; each image's placeholder written out as its tokens."""
+    sources = request_images(serving, request)
+    images = image_inputs(serving, sources) if sources else None  # every image refused or read before rendering
+    prompt_text = chat_prompt(serving.tokenizer, request, serving.settings.chat_template_args) \
+        if raw_prompt is None else raw_prompt
+    if images is not None:
+        return prompt_text, image_prompt_ids(serving, prompt_text, images, "messages"), images
+    if raw_prompt is None:
+        return prompt_text, serving.tokenizer.encode(prompt_text, add_special_tokens=False), None
+    return prompt_text, text_prompt(serving.tokenizer, raw_prompt), None
+
+
+def request_images(serving: Serving, request: ChatCompletionRequest) -> list[tuple[bytes | Path, str]]:
+    """Every image part of the request's messages, in order: (its bytes or path, its field).
+    A text-only model refuses the first part by its type."""
+    parts = [(part.image_url.url, f"messages.{i}.content.{j}")
+             for i, message in enumerate(request.messages) if isinstance(message.content, list)
+             for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
+    if parts:
+        check_takes_images(serving, f"{parts[0][1]}.type")
+    allow_local = serving.settings.allow_local_images
+    return [(image_bytes(url, f"{param}.image_url.url", allow_local), f"{param}.image_url") for url, param in parts]
 
 
 def answer_formats(settings: ServerSettings, template: str | None,

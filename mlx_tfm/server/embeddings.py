@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
@@ -37,6 +37,14 @@ class EmbeddingsRequest(Lenient):
     model: str | None = None
     encoding_format: str = "float"
     dimensions: int | None = Field(default=None, ge=1)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _no_images(cls, value):
+        """A content part (an image) is refused by name, not as "not a string"."""
+        if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+            raise ValueError("embeddings take texts or token ids: content parts (images) are not supported")
+        return value
 
 
 class RerankRequest(Lenient):

@@ -104,7 +104,7 @@ class OllamaGenerateRequest(OllamaRequest):
 
     def check_fields(self) -> None:
         super().check_fields()
-        for name in ("suffix", "images", "template", "context"):
+        for name in ("suffix", "template", "context"):
             if getattr(self, name):
                 raise invalid(name, f"{name} is not supported by this server")
 
@@ -143,10 +143,15 @@ def served_name(name: str) -> str:
     return name.removesuffix(":latest")
 
 
+def image_parts(images: list[str], text: str) -> list[dict]:
+    """Ollama's base64 images and the text as OpenAI content parts: the images first."""
+    return [*({"type": "image_url", "image_url": {"url": f"data:image/*;base64,{data}"}} for data in images),
+            {"type": "text", "text": text}]
+
+
 def openai_message(message: OllamaMessage, index: int) -> dict:
-    if message.images:
-        raise invalid(f"messages.{index}.images", "images are not supported: this server serves text models")
-    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    content = image_parts(message.images, message.content) if message.images else message.content
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.thinking:
         rendered["reasoning_content"] = message.thinking
     if message.tool_name:
@@ -203,8 +208,9 @@ def translated_chat(request: OllamaChatRequest) -> ChatCompletionRequest:
 
 def translated_generate(request: OllamaGenerateRequest) -> ChatCompletionRequest:
     system = [{"role": "system", "content": request.system}] if request.system else []
+    content = image_parts(request.images, request.prompt) if request.images else request.prompt
     return chat_request({"model": served_name(request.model), **sampling_fields(request),
-                         "messages": [*system, {"role": "user", "content": request.prompt}]})
+                         "messages": [*system, {"role": "user", "content": content}]})
 
 
 # -- answers ------------------------------------------------------------------------------------------

@@ -9,19 +9,20 @@ import json
 from ..errors import UserError
 from ..tokenizer import Tokenizer
 from .errors import APIError, invalid
-from .protocol import ChatCompletionRequest, Message
+from .protocol import ChatCompletionRequest, ImagePart, Message
 
 # Template variables the server sets itself; a chat_template_kwargs key may not replace them.
 RESERVED_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "unk_token",
                                "pad_token"}
 
 
-def template_message(message: Message) -> dict:
-    """One message as chat templates expect it: content as a string; an assistant's tool
-    calls with their arguments as an object (as transformers documents, and as Qwen's and
-    Llama's templates index them)."""
+def template_message(message: Message, tokenizer: Tokenizer | None = None) -> dict:
+    """One message as chat templates expect it: content as a string (with images, see
+    ``image_content``); an assistant's tool calls with their arguments as an object (as
+    transformers documents, and as Qwen's and Llama's templates index them)."""
     # OpenAI's "developer" messages are what chat templates know as "system" ones.
-    rendered = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    content = image_content(message, tokenizer) if message.image_urls() else message.text()
+    rendered = {"role": "system" if message.role == "developer" else message.role, "content": content}
     if message.name:
         rendered["name"] = message.name
     if message.tool_call_id:
@@ -35,6 +36,16 @@ def template_message(message: Message) -> dict:
             for call in message.tool_calls
         ]
     return rendered
+
+
+def image_content(message: Message, processor) -> str | list[dict]:
+    """A message with images (``processor`` a ``VisionProcessor``): content parts in their
+    order when the chat template reads ``{"type": "image"}`` parts, else the family's
+    placeholders before the text."""
+    if processor.chat_template and "image" in processor.chat_template:
+        return [{"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                for part in message.content]
+    return processor.placeholder * len(message.image_urls()) + message.text()
 
 
 def arguments_object(arguments: str):
@@ -64,7 +75,7 @@ def chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest, default_kw
         if not template_supports_tools(tokenizer.chat_template):
             raise invalid("tools", "this model's chat template does not render tools")
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-    messages = [template_message(m) for m in request.messages]
+    messages = [template_message(m, tokenizer) for m in request.messages]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools,
                                              **kwargs)

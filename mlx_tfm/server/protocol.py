@@ -50,6 +50,19 @@ class TextPart(Lenient):
     text: str
 
 
+class ImageURL(Lenient):
+    url: str  # a data: URL (base64), or file:// behind --allow-local-images
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the family's preprocessing decides
+
+
+class ImagePart(Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = TextPart | ImagePart
+
+
 class FunctionCall(Lenient):
     name: str
     arguments: str = "{}"  # a JSON text, as OpenAI sends it
@@ -63,7 +76,7 @@ class ToolCall(Lenient):
 
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: which call this answers
@@ -78,8 +91,14 @@ class Message(Lenient):
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 # -- tools and structured output ---------------------------------------------------------------
@@ -315,4 +334,4 @@ def _specificity(error: dict) -> tuple[int, int]:
 def _is_union_branch(part) -> bool:
     """pydantic names the union member it tried ("str", "list[TextPart]", "function-after[...]")."""
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict",
-                                                               "NamedToolChoice", "TextPart"})
+                                                               "NamedToolChoice", "TextPart", "ImagePart"})

@@ -25,8 +25,10 @@ def message_content(item) -> list[dict]:
     """A message's content as the parts its role takes: the model's own are output text
     (or refusals), everyone else's input text."""
     parts = [item.content] if isinstance(item.content, str) else list(item.content)
-    if item.role != "assistant":
-        return [{"type": "input_text", "text": part_text(part)} for part in parts]
+    if item.role != "assistant":  # an image is listed as it came (input_image, its URL)
+        return [{"type": "input_image", "image_url": part.image_url, "detail": part.detail or "auto"}
+                if not isinstance(part, str) and part.type == "input_image" else
+                {"type": "input_text", "text": part_text(part)} for part in parts]
     return [{"type": "refusal", "refusal": part.refusal} if not isinstance(part, str) and part.type == "refusal"
             else {"type": "output_text", "text": part_text(part), "annotations": [], "logprobs": []} for part in parts]
 

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from ..tokenizer.vision_processor import VisionProcessor
 from .completions import answer_deltas, answer_when_done, chat_rows, framed_stream
 from .embeddings import decoder_only
 from .engine_client import Generation
@@ -47,13 +48,23 @@ class TextContent(Lenient):
     refusal: str | None = None
 
 
+class ImageContent(Lenient):
+    """An image for a vision-language model: a data: URL (or file:// with
+    --allow-local-images), as server/images.py reads them."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None  # uploaded files are not kept here: refused by name
+    detail: str | None = None
+
+
 class UnsupportedContent(Lenient):
     """Parts a text model cannot read: refused by name rather than dropped."""
 
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file", "input_audio"]
 
 
-Content = Annotated[Union[TextContent, UnsupportedContent], Field(discriminator="type")]
+Content = Annotated[Union[TextContent, ImageContent, UnsupportedContent], Field(discriminator="type")]
 
 
 def joined(content: str | list) -> str:
@@ -181,6 +192,31 @@ def check_item(item, where: str) -> None:
     for j, part in enumerate(parts if isinstance(parts, list) else []):
         if isinstance(part, UnsupportedContent):
             raise invalid(f"{where}.{field}.{j}.type", f"content of type {part.type!r} is not supported by this server")
+        if isinstance(part, ImageContent) and not part.image_url:
+            raise invalid(f"{where}.{field}.{j}.image_url", "input_image needs an image_url (a data: URL): file_id "
+                          "is not supported by this server")
+
+
+def check_images(serving, request: ResponsesRequest) -> None:
+    """A text-only model refuses the first input_image by name."""
+    if isinstance(serving.tokenizer, VisionProcessor) or not isinstance(request.input, list):
+        return
+    for i, item in enumerate(request.input):
+        for j, part in enumerate(item.content if isinstance(item, MessageItem) and isinstance(item.content, list)
+                                 else []):
+            if isinstance(part, ImageContent):
+                raise invalid(f"input.{i}.content.{j}.type", "content of type 'input_image' needs a vision-language "
+                              f"model: this one ({serving.model_type or 'text-only'}) reads text only")
+
+
+def message_content(content: str | list) -> str | list[dict]:
+    """A user message's content for the chat request: text, or (with images) OpenAI's
+    content parts in order."""
+    if isinstance(content, str) or not any(isinstance(part, ImageContent) for part in content):
+        return joined(content)
+    return [{"type": "image_url", "image_url": {"url": part.image_url}} if isinstance(part, ImageContent) else
+            {"type": "text", "text": part.refusal or part.text} for part in content
+            if isinstance(part, (ImageContent, TextContent))]
 
 
 # -- translation into a chat request -----------------------------------------------------------------
@@ -211,7 +247,7 @@ class Conversation:
             turn = self.assistant_turn()
             turn["content"] = (turn["content"] + "\n" if turn["content"] else "") + joined(item.content)
         elif isinstance(item, MessageItem):
-            self.messages.append({"role": item.role, "content": joined(item.content)})
+            self.messages.append({"role": item.role, "content": message_content(item.content)})
         elif isinstance(item, FunctionCallItem):
             self.tool_names[item.call_id] = item.name
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
@@ -569,6 +605,7 @@ def error_event(turn: Turn, error: APIError) -> bytes:
 
 
 def prepared(serving, request: ResponsesRequest, history: list):
+    check_images(serving, request)
     return chat_rows(serving, translated(request, history))
 
 

@@ -44,6 +44,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # a ToolFormat's name (None: the chat template's format)
     reasoning_parser: str | None = None  # a ReasoningFormat's name (None: the chat template's)
     model_dir: str | None = None  # a folder of models a request may swap in (server/model_swap.py)
+    allow_local_images: bool = False  # image parts may name file:// paths on this machine (server/images.py)
 
     def __post_init__(self):
         check_settings(self)

@@ -1,0 +1,106 @@
+"""A request's images, ready for the engine: ``read_images(processor, sources)`` runs the
+family's preprocessing once (tokenizer/images.py, which refuses what is not an image, a
+truncated file and a decompression bomb) and returns ``ImageInputs``: the pixel values of
+every view, how many image tokens each image takes, the tile grid the prompt writes, and
+a content digest per image.
+
+The digests key the shared prefix cache: image tokens all have one id, so two different
+pictures after the same text would look alike to a cache that compares ids. ``cache_keys``
+gives each image token a key made of the digests of its own image and every image before
+it (negative, so it never equals a real token id): the same images in the same places
+reuse the cache, a different image never does.
+
+The tower runs later, on the engine's thread (``encode``), and only for a row whose prompt
+still has image tokens to read after the prefix it reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import UserError
+from ..tokenizer.image_tokens import expand_image_placeholders
+from ..tokenizer.images import preprocess_images
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """The preprocessed images of one prompt, in the order the prompt places them."""
+
+    pixel_values: np.ndarray  # (n_views, C, H, W) float32, every view of every image
+    tokens_per_image: tuple[int, ...]  # image tokens each image takes in the prompt
+    rows: tuple[int, ...]  # Idefics3's tile grid per image (else 0)
+    cols: tuple[int, ...]
+    digests: tuple[str, ...]  # sha256 of each image's pixel values
+
+    def __len__(self) -> int:
+        return len(self.tokens_per_image)
+
+    def expand(self, processor, text: str) -> str:
+        """``text`` with each image placeholder written out as its image's tokens (no
+        placeholder at all: the images go first), as ``VisionProcessor.prepare`` does."""
+        if len(self) and processor.placeholder not in text:
+            text = processor.placeholder * len(self) + text
+        return expand_image_placeholders(text, processor.image_prompt, list(self.rows), list(self.cols))
+
+    def cache_keys(self, prompt: list[int], image_token_id: int) -> list[int]:
+        """``prompt`` with each image token replaced by its image's key (see the module
+        docstring); a prompt whose image tokens are not the images' count is a ``UserError``."""
+        owners = [i for i, n in enumerate(self.tokens_per_image) for _ in range(n)]  # image of each image token
+        positions = [p for p, token in enumerate(prompt) if token == image_token_id]
+        if len(positions) != len(owners):
+            raise UserError(f"the prompt has {len(positions)} image tokens for {len(owners)} from its images")
+        keys, running = list(prompt), hashlib.sha256()
+        image_keys = []
+        for digest in self.digests:
+            running.update(digest.encode())
+            image_keys.append(-1 - int.from_bytes(running.digest()[:8], "big") // 2)
+        for position, owner in zip(positions, owners):
+            keys[position] = image_keys[owner]
+        return keys
+
+    def encode(self, model) -> mx.array:
+        """The images' features (n_image_tokens, D), one row per image token in order."""
+        features = model.encode_images(mx.array(self.pixel_values))
+        mx.eval(features)
+        return features
+
+
+def read_images(processor, sources: list) -> ImageInputs:
+    """Images (paths, encoded bytes or PIL images) -> ``ImageInputs`` for ``processor`` (a
+    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``."""
+    inputs = preprocess_images(sources, processor.processing)
+    per_view = processor.image_prompt.tokens_per_view
+    starts = np.cumsum([0, *inputs["views"]])
+    digests = tuple(hashlib.sha256(np.ascontiguousarray(inputs["pixel_values"][a:b]).tobytes()).hexdigest()
+                    for a, b in itertools.pairwise(starts))
+    return ImageInputs(pixel_values=inputs["pixel_values"],
+                       tokens_per_image=tuple(views * per_view for views in inputs["views"]),
+                       rows=tuple(inputs["rows"]), cols=tuple(inputs["cols"]), digests=digests)
+
+
+def joined(parts: list[ImageInputs]) -> ImageInputs:
+    """Several prompts' worth of images as one, in order (each read on its own, so that a
+    refusal names its image)."""
+    shapes = {part.pixel_values.shape[1:] for part in parts}
+    if len(shapes) > 1:
+        raise UserError("these images resize to different sizes; send them one request at a time")
+    return ImageInputs(pixel_values=np.concatenate([part.pixel_values for part in parts]),
+                       **{name: sum((getattr(part, name) for part in parts), ())
+                          for name in ("tokens_per_image", "rows", "cols", "digests")})
+
+
+def image_token_counts(prompt: list[int], image_token_id: int) -> list[int]:
+    """(L + 1,) how many image tokens come before each position of ``prompt`` (and its end)."""
+    counts = [0]
+    for token in prompt:
+        counts.append(counts[-1] + (token == image_token_id))
+    return counts
+
+
+__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images"]
