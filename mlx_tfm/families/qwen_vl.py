@@ -1,12 +1,16 @@
 """Qwen2-VL and Qwen2.5-VL: Qwen2's language model with M-RoPE, and Qwen's vision tower.
 
 A checkpoint holds both: ``text_config`` (older ones: the text keys at the top level) and
-``vision_config``. The table entries build the language model, whose attention rotates by
-(t, h, w) positions per token (``model/mrope.py``); its tensors are
-``model.language_model.*`` (transformers 5), ``model.*`` (the first checkpoints) or
-``language_model.model.*`` (mlx-lm and mlx-vlm). The tower (``visual.*``,
-``model.visual.*``, or mlx-vlm's ``vision_tower.*``) is built apart by
-``vision_tower_from_checkpoint``, for the image-text model to hold beside it.
+``vision_config``. The table entries build ``VisionLanguageModel`` with Qwen's tower
+(``vision`` holds ``qwen_tower``, the ``QwenVisionArgs`` fields); the language model's
+attention rotates by (t, h, w) positions per token (``model/mrope.py``).
+
+On disk (what the converter writes, as mlx-lm's qwen2_vl reads it and drops the tower):
+``language_model.model.*``, ``language_model.lm_head.*`` and ``visual.*`` with the Conv3d
+patch kernel as transformers saves it. The layout reads transformers 5's
+``model.language_model.*`` / ``model.visual.*``, the first checkpoints' ``model.*`` /
+``visual.*`` and mlx-vlm's ``vision_tower.*`` (its kernel channels-last). Loaded, the tower
+is ``vision_tower.*`` with the kernel flattened for the patch matmul.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
+from ..model.config import ModelArgs
 from ..model.qwen_vision import QwenVisionArgs, QwenVisionTower
 from .common import COMMON_DROPS, Architecture, activation
 from .decoders import qwen2_args
 
 # Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
 DEFAULT_MROPE_SECTION = (16, 24, 24)
+QWEN_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in Qwen2's vocabulary, where a config omits it
 VISION_PREFIX = re.compile(r"(?:model\.)?(?:visual|vision_tower)\.(.*)")
 
 
@@ -50,34 +56,71 @@ def qwen_vl_args(config: dict) -> dict:
     rope_theta = (text.get("rope_parameters") or {}).get("rope_theta") or text.get("rope_theta", 1000000.0)
     plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_scaling": None}
     return {**qwen2_args(plain), "rope_scaling": {"rope_type": "mrope", "mrope_section": mrope_section_of(text)},
-            "model_type": config["model_type"]}
+            "model_type": config["model_type"], "vision": qwen_vision_fields(config)}
+
+
+def qwen_vision_fields(config: dict) -> dict | None:
+    """``VisionArgs`` fields of the image side: Qwen's tower and the image token; None for
+    a config without ``vision_config`` (a text-only export: the language model alone)."""
+    if not isinstance(config.get("vision_config"), dict):
+        return None
+    tower = dataclasses.asdict(vision_args(config))
+    return {"qwen_tower": {**tower, "fullatt_block_indexes": list(tower["fullatt_block_indexes"])},
+            "image_token_id": config.get("image_token_id", QWEN_IMAGE_TOKEN_ID)}
 
 
 def qwen_vl_layout(weights: dict) -> dict:
-    """transformers' names (``model.language_model.*`` or the first checkpoints'
-    ``model.*``, and ``lm_head.*``) -> mlx-lm's qwen2_vl (``language_model.model.*``,
-    ``language_model.lm_head.*``); a folder in that layout passes unchanged."""
+    """transformers' names (``model.language_model.*``, ``model.visual.*``, or the first
+    checkpoints' ``model.*``, ``visual.*``; ``lm_head.*``) and mlx-vlm's ``vision_tower.*``
+    -> the on-disk layout (``language_model.model.*``, ``language_model.lm_head.*``,
+    ``visual.*``); a folder in that layout passes unchanged."""
     out = {}
     for name, tensor in weights.items():
         if name.startswith("model.language_model."):
             name = "language_model.model." + name.removeprefix("model.language_model.")
+        elif name.startswith("model.visual."):
+            name = name.removeprefix("model.")
+        elif name.startswith("vision_tower."):  # mlx-vlm's
+            name = "visual." + name.removeprefix("vision_tower.")
+            tensor = channels_first_kernel(name, tensor)
         elif name.startswith(("model.", "lm_head.")):
             name = "language_model." + name
         out[name] = tensor
     return out
 
 
-QWEN_VL_RENAMES = (
-    (r"language_model\.model\.(.*)", r"model.\1"),
-    (r"language_model\.lm_head\.(.*)", r"lm_head.\1"),
-    (r"model\.language_model\.(.*)", r"model.\1"),
-)
-# The tower is not the language model's: vision_tower_from_checkpoint reads it.
-QWEN_VL_DROPS = COMMON_DROPS + (r"(model\.)?visual\..*", r"vision_tower\..*")
+def channels_first_kernel(name: str, tensor: mx.array) -> mx.array:
+    """mlx-vlm's channels-last patch kernel (D, T, P, P, C) as transformers' (D, C, T, P, P);
+    a channels-first kernel ends in two equal sides (P, P), a channels-last one in (P, C)."""
+    if name == "visual.patch_embed.proj.weight" and tensor.ndim == 5 and tensor.shape[-1] != tensor.shape[-2]:
+        return mx.moveaxis(tensor, -1, 1)
+    return tensor
+
+
+def qwen_vl_rewrite(weights: dict, args: ModelArgs) -> dict:
+    """Our names: the Conv3d kernel (D, C, T, P, P) flattened to the patch matmul's
+    (D, C * T * P * P); a tied head's copy dropped; the tower dropped where the config
+    builds no image side."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("vision_tower.") and args.vision is None:
+            continue
+        if name == "vision_tower.patch_embed.proj.weight" and tensor.ndim == 5:
+            tensor = tensor.reshape(tensor.shape[0], -1)  # (D, C, T, P, P) -> (D, C * T * P * P)
+        out[name] = tensor
+    if args.tie_word_embeddings:
+        out.pop("language_model.lm_head.weight", None)
+    return out
+
+
+QWEN_VL_RENAMES = ((r"visual\.(.*)", r"vision_tower.\1"),)
+# On-disk paths -q keeps in float unless --quantize-vision: the tower with its merger
+QWEN_VL_TOWER_PATHS = r"visual\..*"
 
 
 def qwen_vl_family() -> Architecture:
-    return Architecture(args=qwen_vl_args, renames=QWEN_VL_RENAMES, drops=QWEN_VL_DROPS, layout=qwen_vl_layout)
+    return Architecture(args=qwen_vl_args, renames=QWEN_VL_RENAMES, drops=COMMON_DROPS, layout=qwen_vl_layout,
+                        rewrite=qwen_vl_rewrite, unquantized=QWEN_VL_TOWER_PATHS)
 
 
 QWEN_VL: dict[str, Architecture] = {"qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family()}

@@ -75,6 +75,11 @@ class QwenVisionArgs:
                    "fullatt_block_indexes": tuple(config.get("fullatt_block_indexes") or ())}
         return cls(**{k: v for k, v in {**common, **own}.items() if v is not None})
 
+    @classmethod
+    def from_fields(cls, fields: dict) -> "QwenVisionArgs":
+        """Back from ``dataclasses.asdict`` (as ``VisionArgs.qwen_tower`` holds it)."""
+        return cls(**{**fields, "fullatt_block_indexes": tuple(fields.get("fullatt_block_indexes") or ())})
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads

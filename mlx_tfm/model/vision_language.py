@@ -24,7 +24,10 @@ import mlx.nn as nn
 
 from .cache import window_mask
 from .config import ModelArgs
+from .mrope import batch_positions
+from .positions import rope_type
 from .projectors import make_projector
+from .qwen_vision import QwenVisionArgs, QwenVisionTower
 from .transformer import Model
 from .vision_args import VisionArgs
 from .vision_tower import VisionTower
@@ -75,24 +78,31 @@ class VisionLanguageModel(nn.Module):
             raise ValueError("a vision-language model needs its tower's arguments (vision)")
         self.args = args
         self.vision_args = VisionArgs.from_dict(args.vision)
-        tower = self.vision_args.tower_args()
         self.language_model = Model(dataclasses.replace(args, vision=None))
+        if self.vision_args.qwen_tower is not None:  # Qwen's tower ends in its own merger
+            self.vision_tower = QwenVisionTower(QwenVisionArgs.from_fields(self.vision_args.qwen_tower))
+            self.multi_modal_projector = nn.Identity()
+            return
+        tower = self.vision_args.tower_args()
         self.vision_tower = VisionTower(tower, self.vision_args)
         self.multi_modal_projector = make_projector(self.vision_args, tower, args)
 
     def encode_images(self, pixel_values: mx.array, **image_inputs) -> mx.array:
         """Pixel values (n_views, C, H, W) -> image features (n_image_tokens, D), in the
-        order the prompt's image tokens take them."""
+        order the prompt's image tokens take them. Qwen's tower: pixel values (patches,
+        C * T * P * P) with ``grid_thw`` (n_images, 3), as its processor prepares them."""
         states = self.vision_tower(pixel_values, **image_inputs)
         features = self.multi_modal_projector(states)  # (n_views, tokens, D)
         return features.reshape(-1, features.shape[-1])
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
-                 image_features: mx.array | None = None) -> mx.array:
+                 image_features: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab_size); ``image_features`` (from
-        ``encode_images``) fill the image tokens' places."""
+        ``encode_images``) fill the image tokens' places. ``positions`` (3, B, L): M-RoPE's
+        positions of these tokens (``rope_positions``), for Qwen's models whenever the
+        sequence holds images, prompt and decoding alike; None: the cache's offset."""
         if image_features is None:
-            return self.language_model(inputs, mask, cache)
+            return self.language_model(inputs, mask, cache, positions=positions)
         is_image = inputs == self.vision_args.image_token_id
         embeddings = scatter_image_features(self.embed_tokens(inputs, is_image), is_image, image_features)
         if self.vision_args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
@@ -100,7 +110,17 @@ class VisionLanguageModel(nn.Module):
             # the masks the stack would build from the caches, then each image's block opened
             masks = stack._stack_masks(None, inputs.shape[1], cache, embeddings.dtype)
             mask = [with_image_blocks(m, is_image, offset) for m in masks]
-        return self.language_model(inputs, mask, cache, input_embeddings=embeddings)
+        return self.language_model(inputs, mask, cache, input_embeddings=embeddings, positions=positions)
+
+    def rope_positions(self, prompt: list[int], image_grid_thw) -> tuple[mx.array, int] | None:
+        """M-RoPE's positions (3, 1, L) of a prompt whose images have ``image_grid_thw``
+        (n, 3), and its rope_delta: the tokens after the prompt take
+        ``mrope.decode_positions(offset, [rope_delta])``. None for a model without M-RoPE."""
+        if self.vision_args.qwen_tower is None or rope_type(self.args.rope_scaling) != "mrope":
+            return None
+        merge = self.vision_args.qwen_tower["spatial_merge_size"]
+        positions, deltas = batch_positions([list(prompt)], self.vision_args.image_token_id, image_grid_thw, merge)
+        return positions, deltas[0]
 
     def embed_tokens(self, inputs: mx.array, is_image: mx.array) -> mx.array:
         """The text embeddings (B, L, D), scaled as the language model scales them; image
