@@ -19,16 +19,21 @@ import dataclasses
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..model.config import ModelArgs
-from ..model.qwen_vision import QwenVisionArgs, QwenVisionTower
+from ..model.qwen3_vision import make_qwen_tower
+from ..model.qwen_vision import QwenVisionArgs
 from .common import COMMON_DROPS, Architecture, activation
-from .decoders import qwen2_args
+from .decoders import qwen2_args, qwen3_args
 
 # Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
 DEFAULT_MROPE_SECTION = (16, 24, 24)
+QWEN3_MROPE_SECTION = (24, 20, 20)  # Qwen3-VL's, interleaved
+# model_type -> its tower (model/qwen_vision.py STYLES)
+TOWER_STYLES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 QWEN_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in Qwen2's vocabulary, where a config omits it
 VISION_PREFIX = re.compile(r"(?:model\.)?(?:visual|vision_tower)\.(.*)")
 
@@ -42,21 +47,33 @@ def text_config_of(config: dict) -> dict:
     return text
 
 
-def mrope_section_of(text: dict) -> list[int]:
+def mrope_section_of(text: dict, model_type: str = "qwen2_vl") -> list[int]:
     """(t, h, w) frequency runs from ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
     for key in ("rope_parameters", "rope_scaling"):
         if (text.get(key) or {}).get("mrope_section"):
             return list(text[key]["mrope_section"])
-    return list(DEFAULT_MROPE_SECTION)
+    return list(QWEN3_MROPE_SECTION if TOWER_STYLES.get(model_type) == "qwen3_vl" else DEFAULT_MROPE_SECTION)
 
 
-def qwen_vl_args(config: dict) -> dict:
-    """Qwen2's attention (q/k/v biases) with M-RoPE, the frequencies split by mrope_section."""
+def mrope_args(config: dict, text_args, interleaved: bool = False) -> dict:
+    """The language model's fields by ``text_args`` (its text family's), rotated by M-RoPE
+    with the frequencies split by mrope_section (run after run, or ``interleaved``)."""
     text = text_config_of(config)
     rope_theta = (text.get("rope_parameters") or {}).get("rope_theta") or text.get("rope_theta", 1000000.0)
     plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_scaling": None}
-    return {**qwen2_args(plain), "rope_scaling": {"rope_type": "mrope", "mrope_section": mrope_section_of(text)},
+    rope = {"rope_type": "mrope", "mrope_section": mrope_section_of(text, config["model_type"])}
+    return {**text_args(plain), "rope_scaling": {**rope, "mrope_interleaved": True} if interleaved else rope,
             "model_type": config["model_type"], "vision": qwen_vision_fields(config)}
+
+
+def qwen_vl_args(config: dict) -> dict:
+    """Qwen2's attention (q/k/v biases) with M-RoPE."""
+    return mrope_args(config, qwen2_args)
+
+
+def qwen3_vl_args(config: dict) -> dict:
+    """Qwen3's attention (q/k norms, no biases) with interleaved M-RoPE."""
+    return mrope_args(config, qwen3_args, interleaved=True)
 
 
 def qwen_vision_fields(config: dict) -> dict | None:
@@ -65,7 +82,8 @@ def qwen_vision_fields(config: dict) -> dict | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     tower = dataclasses.asdict(vision_args(config))
-    return {"qwen_tower": {**tower, "fullatt_block_indexes": list(tower["fullatt_block_indexes"])},
+    lists = {key: list(tower[key]) for key in ("fullatt_block_indexes", "deepstack_visual_indexes")}
+    return {"qwen_tower": {**tower, **lists},
             "image_token_id": config.get("image_token_id", QWEN_IMAGE_TOKEN_ID)}
 
 
@@ -118,12 +136,13 @@ QWEN_VL_RENAMES = ((r"visual\.(.*)", r"vision_tower.\1"),)
 QWEN_VL_TOWER_PATHS = r"visual\..*"
 
 
-def qwen_vl_family() -> Architecture:
-    return Architecture(args=qwen_vl_args, renames=QWEN_VL_RENAMES, drops=COMMON_DROPS, layout=qwen_vl_layout,
+def qwen_vl_family(args=qwen_vl_args) -> Architecture:
+    return Architecture(args=args, renames=QWEN_VL_RENAMES, drops=COMMON_DROPS, layout=qwen_vl_layout,
                         rewrite=qwen_vl_rewrite, unquantized=QWEN_VL_TOWER_PATHS)
 
 
-QWEN_VL: dict[str, Architecture] = {"qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family()}
+QWEN_VL: dict[str, Architecture] = {"qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family(),
+                                    "qwen3_vl": qwen_vl_family(qwen3_vl_args)}
 
 
 def qwen_vl_mlx_lm_keys(config: dict) -> dict:
@@ -144,11 +163,11 @@ QWEN_VL_MLX_LM_KEYS = dict.fromkeys(QWEN_VL, qwen_vl_mlx_lm_keys)
 
 def vision_args(config: dict) -> QwenVisionArgs:
     """The tower's configuration from a checkpoint's config.json (its ``vision_config``)."""
-    if config.get("model_type") not in QWEN_VL:
-        raise UserError(f"model_type {config.get('model_type')!r} has no Qwen vision tower (qwen2_vl, qwen2_5_vl)")
+    if config.get("model_type") not in TOWER_STYLES:
+        raise UserError(f"model_type {config.get('model_type')!r} has no Qwen vision tower ({', '.join(TOWER_STYLES)})")
     if not isinstance(config.get("vision_config"), dict):
         raise UserError(f"the {config['model_type']} config has no vision_config")
-    args = QwenVisionArgs.from_dict(config["vision_config"], config["model_type"])
+    args = QwenVisionArgs.from_dict(config["vision_config"], TOWER_STYLES[config["model_type"]])
     if args.style == "qwen2_vl":  # its MLP takes quick_gelu only (the tower checks)
         return args
     return dataclasses.replace(args, hidden_act=activation(args.hidden_act))  # Hugging Face's name -> ours
@@ -172,10 +191,10 @@ def vision_weights(weights: dict, args: QwenVisionArgs) -> dict:
     return out
 
 
-def vision_tower_from_checkpoint(config: dict, weights: dict) -> QwenVisionTower:
-    """The tower of a Qwen2-VL / Qwen2.5-VL checkpoint, its weights loaded strictly."""
+def vision_tower_from_checkpoint(config: dict, weights: dict) -> nn.Module:
+    """The tower of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, its weights loaded strictly."""
     args = vision_args(config)
-    tower = QwenVisionTower(args)
+    tower = make_qwen_tower(args)
     tensors = vision_weights(weights, args)
     expected = {name: value.shape for name, value in tree_flatten(tower.parameters())}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

@@ -24,10 +24,11 @@ import mlx.nn as nn
 
 from .cache import window_mask
 from .config import ModelArgs
-from .mrope import batch_positions
+from .mrope import ExplicitPositions, batch_positions
 from .positions import rope_type
 from .projectors import make_projector
-from .qwen_vision import QwenVisionArgs, QwenVisionTower
+from .qwen3_vision import make_qwen_tower, split_deepstack
+from .qwen_vision import QwenVisionArgs
 from .transformer import Model
 from .vision_args import VisionArgs
 from .vision_tower import VisionTower
@@ -80,7 +81,7 @@ class VisionLanguageModel(nn.Module):
         self.vision_args = VisionArgs.from_dict(args.vision)
         self.language_model = Model(dataclasses.replace(args, vision=None))
         if self.vision_args.qwen_tower is not None:  # Qwen's tower ends in its own merger
-            self.vision_tower = QwenVisionTower(QwenVisionArgs.from_fields(self.vision_args.qwen_tower))
+            self.vision_tower = make_qwen_tower(QwenVisionArgs.from_fields(self.vision_args.qwen_tower))
             self.multi_modal_projector = nn.Identity()
             return
         tower = self.vision_args.tower_args()
@@ -104,13 +105,35 @@ class VisionLanguageModel(nn.Module):
         if image_features is None:
             return self.language_model(inputs, mask, cache, positions=positions)
         is_image = inputs == self.vision_args.image_token_id
+        n_deepstack = len((self.vision_args.qwen_tower or {}).get("deepstack_visual_indexes") or ())
+        if n_deepstack:  # Qwen3-VL: the rows hold the DeepStack features beside the merged ones
+            image_features, deepstack = split_deepstack(image_features, n_deepstack)
         embeddings = scatter_image_features(self.embed_tokens(inputs, is_image), is_image, image_features)
+        if n_deepstack:
+            return self.deepstack_forward(embeddings, is_image, deepstack, mask, cache, positions)
         if self.vision_args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
             stack, offset = self.language_model.model, cache[0].offset if cache is not None else 0
             # the masks the stack would build from the caches, then each image's block opened
             masks = stack._stack_masks(None, inputs.shape[1], cache, embeddings.dtype)
             mask = [with_image_blocks(m, is_image, offset) for m in masks]
         return self.language_model(inputs, mask, cache, input_embeddings=embeddings, positions=positions)
+
+    def deepstack_forward(self, embeddings: mx.array, is_image: mx.array, deepstack: list[mx.array], mask,
+                          cache: list | None, positions: mx.array | None) -> mx.array:
+        """The language model's layers over ``embeddings`` (B, L, D), each DeepStack
+        feature (n_image_tokens, D) added to the image tokens' states after the layer of
+        its number (Qwen3-VL); the masks and positions as the stack gives them."""
+        stack = self.language_model.model
+        masks = stack._stack_masks(mask, embeddings.shape[1], cache, embeddings.dtype)
+        caches = cache if cache is not None else [None] * len(stack.layers)
+        if positions is not None:
+            caches = [ExplicitPositions(layer_cache, positions) for layer_cache in caches]
+        h = embeddings
+        for i, (layer, layer_cache) in enumerate(zip(stack.layers, caches)):
+            h = layer(h, masks[i], layer_cache)
+            if i < len(deepstack):
+                h = h + scatter_image_features(mx.zeros_like(h), is_image, deepstack[i])
+        return self.language_model.head(stack.norm(h))
 
     def rope_positions(self, prompt: list[int], image_grid_thw) -> tuple[mx.array, int] | None:
         """M-RoPE's positions (3, 1, L) of a prompt whose images have ``image_grid_thw``

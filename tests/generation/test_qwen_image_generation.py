@@ -21,7 +21,7 @@ from mlx_tfm.generation.images import bind_images
 from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.weights.files import read_checkpoint
 
-STYLES = ["qwen2_vl", "qwen2_5_vl"]
+STYLES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}Describe this{IMAGE} picture.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -128,5 +128,6 @@ def test_convert_quantizes_the_language_model_and_keeps_the_tower(qwen_folder, t
     whole = convert(folder, tmp_path / "qv", quantize=True, q_group_size=32, quantize_vision=True,
                     log=lambda *_: None)
     _, weights = read_checkpoint(whole)
-    assert "visual.blocks.0.attn.qkv.scales" in weights and "visual.merger.mlp.0.scales" in weights
+    assert "visual.blocks.0.attn.qkv.scales" in weights
+    assert any(name.startswith("visual.merger.") and name.endswith(".scales") for name in weights)
     assert isinstance(generate(*load(whole), PROMPT, images=two_images(), max_tokens=4), str)
