@@ -28,6 +28,7 @@ from ..model.qwen3_vision import make_qwen_tower
 from ..model.qwen_vision import QwenVisionArgs
 from .common import COMMON_DROPS, Architecture, activation
 from .decoders import qwen2_args, qwen3_args
+from .experts import qwen3_moe_args, split_fused_experts
 
 # Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
 DEFAULT_MROPE_SECTION = (16, 24, 24)
@@ -74,6 +75,35 @@ def qwen_vl_args(config: dict) -> dict:
 def qwen3_vl_args(config: dict) -> dict:
     """Qwen3's attention (q/k norms, no biases) with interleaved M-RoPE."""
     return mrope_args(config, qwen3_args, interleaved=True)
+
+
+def qwen3_vl_moe_args(config: dict) -> dict:
+    """Qwen3-MoE's language model with interleaved M-RoPE; its router always renormalises
+    the chosen experts' weights (the config has no norm_topk_prob)."""
+    return {**mrope_args(config, qwen3_moe_args, interleaved=True), "norm_topk_prob": True}
+
+
+def qwen3_vl_moe_experts(weights: dict, config: dict) -> dict:
+    """Fused experts -> the stacked ``switch_mlp.*`` projections of the on-disk layout (as
+    mlx-lm reads them). The hub's checkpoints hold ``experts.gate_up_proj`` (E, D, 2F) and
+    ``experts.down_proj`` (E, F, D); transformers 5 transposes them on loading and saves
+    them so, (E, 2F, D) and (E, D, F), which ``split_fused_experts`` reads."""
+    hidden = text_config_of(config)["hidden_size"]
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(".mlp.experts.down_proj")]:
+        gate_up_name = name.removesuffix("down_proj") + "gate_up_proj"
+        if hub_orientation(weights[name].shape, weights[gate_up_name].shape, hidden):
+            out[name] = weights[name].swapaxes(1, 2)  # (E, F, D) -> (E, D, F)
+            out[gate_up_name] = weights[gate_up_name].swapaxes(1, 2)  # (E, D, 2F) -> (E, 2F, D)
+    return split_fused_experts(out)
+
+
+def hub_orientation(down: tuple, gate_up: tuple, hidden: int) -> bool:
+    """Whether a layer's fused experts are the hub's (down (E, F, D)) rather than
+    transformers 5's (E, D, F); where F = D leaves down square, gate_up (E, D, 2F) tells."""
+    if down[1] != down[2]:
+        return down[2] == hidden
+    return gate_up[1] == hidden
 
 
 def qwen_vision_fields(config: dict) -> dict | None:
@@ -141,8 +171,11 @@ def qwen_vl_family(args=qwen_vl_args) -> Architecture:
                         rewrite=qwen_vl_rewrite, unquantized=QWEN_VL_TOWER_PATHS)
 
 
-QWEN_VL: dict[str, Architecture] = {"qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family(),
-                                    "qwen3_vl": qwen_vl_family(qwen3_vl_args)}
+QWEN_VL: dict[str, Architecture] = {
+    "qwen2_vl": qwen_vl_family(), "qwen2_5_vl": qwen_vl_family(), "qwen3_vl": qwen_vl_family(qwen3_vl_args),
+    "qwen3_vl_moe": dataclasses.replace(qwen_vl_family(qwen3_vl_moe_args), experts=qwen3_vl_moe_experts,
+                                        routers=r"language_model\.model\.layers\.\d+\.mlp\.gate"),
+}
 
 
 def qwen_vl_mlx_lm_keys(config: dict) -> dict:
@@ -151,8 +184,11 @@ def qwen_vl_mlx_lm_keys(config: dict) -> dict:
     if not isinstance(config.get("text_config"), dict):
         return {}  # the first checkpoints' flat config, which mlx-lm reads as it is
     text = text_config_of(config)
-    return {"text_config": {**config["text_config"], "tie_word_embeddings": text.get("tie_word_embeddings", False),
-                            "rope_theta": qwen_vl_args(config)["rope_theta"]}}
+    keys = {"tie_word_embeddings": text.get("tie_word_embeddings", False), "rope_theta": qwen_vl_args(config)["rope_theta"]}
+    if config.get("model_type") == "qwen3_vl_moe":  # mlx-lm's qwen3_moe requires what Qwen3-VL-MoE implies
+        moe = qwen3_vl_moe_args(config)
+        keys |= {"num_experts": moe["num_experts"], "norm_topk_prob": True}
+    return {"text_config": {**config["text_config"], **keys}}
 
 
 QWEN_VL_MLX_LM_KEYS = dict.fromkeys(QWEN_VL, qwen_vl_mlx_lm_keys)

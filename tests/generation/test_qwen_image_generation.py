@@ -21,7 +21,7 @@ from mlx_tfm.generation.images import bind_images
 from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.weights.files import read_checkpoint
 
-STYLES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+STYLES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}Describe this{IMAGE} picture.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -1,6 +1,8 @@
 """Qwen3-VL pieces against transformers: the tower (learned positions resampled to each
 grid, DeepStack features), the interleaved M-RoPE, and the whole model's logits."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from mlx_tfm.loading import load_model
 from mlx_tfm.model.mrope import MRoPE, frequency_axes
 from mlx_tfm.model.qwen3_vision import Qwen3VisionTower, axis_taps, split_deepstack
 from mlx_tfm.model.qwen_vision import QwenVisionArgs
+from mlx_tfm.weights.files import read_checkpoint, save_weights
 
 PROMPT = image_prompt(GRIDS, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
 
@@ -65,8 +68,9 @@ def test_interleaved_frequencies_match_transformers_rotary():
     assert rope.interleaved and not MRoPE(16, 10000.0, (4, 2, 2), 512).interleaved
 
 
-def test_the_loaded_model_matches_transformers_with_deepstack(tmp_path):
-    hf_model = hf_qwen3_vl_model(seed=1)
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_vl", "qwen3_vl_moe"])
+def test_the_loaded_model_matches_transformers_with_deepstack(moe, tmp_path):
+    hf_model = hf_qwen3_vl_model(seed=1, moe=moe)
     hf_model.save_pretrained(tmp_path)
     pixel_values = random_pixel_values(GRIDS, hf_model.config.vision_config, seed=1)
     ids = torch.tensor([PROMPT])
@@ -94,3 +98,19 @@ def test_a_position_table_that_is_not_square_is_one_line():
     tower.update(tree_unflatten([]))
     with pytest.raises(UserError, match="3 patches for image grids of 4"):
         tower(mx.zeros((3, 24)), [[1, 2, 2]])
+
+
+def test_the_hubs_expert_orientation_loads_the_same(tmp_path):
+    """Qwen3-VL-MoE's hub checkpoints hold gate_up_proj (E, D, 2F) and down_proj (E, F, D),
+    transposed from what transformers 5 saves; here 2F = D, so only down_proj tells them apart."""
+    hf_model = hf_qwen3_vl_model(moe=True)
+    hf_model.save_pretrained(tmp_path / "saved")
+    config, weights = read_checkpoint(tmp_path / "saved")
+    hub = {k: v.swapaxes(1, 2) if ".experts." in k else v for k, v in weights.items()}
+    assert hub["model.language_model.layers.1.mlp.experts.down_proj"].shape == (4, 32, 64)
+    (tmp_path / "hub").mkdir()
+    save_weights(tmp_path / "hub", hub)
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    ids = mx.array([PROMPT[:8]])
+    saved, from_hub = load_model(tmp_path / "saved")[0], load_model(tmp_path / "hub")[0]
+    np.testing.assert_array_equal(np.array(saved(ids)), np.array(from_hub(ids)))
