@@ -34,7 +34,8 @@ from .experts import qwen3_moe_args, split_fused_experts
 DEFAULT_MROPE_SECTION = (16, 24, 24)
 QWEN3_MROPE_SECTION = (24, 20, 20)  # Qwen3-VL's, interleaved
 # model_type -> its tower (model/qwen_vision.py STYLES)
-TOWER_STYLES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+TOWER_STYLES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+                "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}  # Qwen3.5's: Qwen3-VL's without DeepStack
 QWEN_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in Qwen2's vocabulary, where a config omits it
 VISION_PREFIX = re.compile(r"(?:model\.)?(?:visual|vision_tower)\.(.*)")
 

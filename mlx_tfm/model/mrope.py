@@ -70,8 +70,11 @@ class MRoPE(RoPE):
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not (isinstance(offset, mx.array) and offset.ndim == 3):  # an int, or per-row offsets (B,)
             return super().__call__(x, offset)
-        angles = section_angles(offset, self._inv_freq, self.sections, self.interleaved)  # (B, L, head_dim / 2)
-        return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+        angles = section_angles(offset, self._inv_freq, self.sections, self.interleaved)  # (B, L, dims / 2)
+        if self.dims == x.shape[-1]:
+            return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+        # a partial rotary (Qwen3.5): the first dims of each head turn, the rest pass
+        return mx.concatenate([rotate_by_angles(x[..., : self.dims], angles[:, None]), x[..., self.dims :]], axis=-1)
 
 
 def make_mrope(args, head_dim: int) -> MRoPE | None:

@@ -1,5 +1,6 @@
 """Qwen3-VL pieces against transformers: the tower (learned positions resampled to each
-grid, DeepStack features), the interleaved M-RoPE, and the whole model's logits."""
+grid, DeepStack features), the interleaved M-RoPE, the whole model's logits (dense and
+MoE, both expert orientations); Qwen3.5's tower and partial M-RoPE."""
 
 import json
 
@@ -7,13 +8,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from fixtures.qwen_vision_models import (GRIDS, IMAGE_TOKEN, hf_qwen3_vl_model, image_prompt, random_pixel_values)
+from fixtures.convert_helpers import TINY_CONFIGS
+from fixtures.qwen_vision_models import GRIDS, IMAGE_TOKEN, hf_qwen3_vl_model, image_prompt, perturb, random_pixel_values
 from mlx.utils import tree_unflatten
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.families.qwen_vl import vision_tower_from_checkpoint
 from mlx_tfm.loading import load_model
 from mlx_tfm.model.mrope import MRoPE, frequency_axes
+from mlx_tfm.model.positions import RoPE
 from mlx_tfm.model.qwen3_vision import Qwen3VisionTower, axis_taps, split_deepstack
 from mlx_tfm.model.qwen_vision import QwenVisionArgs
 from mlx_tfm.weights.files import read_checkpoint, save_weights
@@ -114,3 +117,31 @@ def test_the_hubs_expert_orientation_loads_the_same(tmp_path):
     ids = mx.array([PROMPT[:8]])
     saved, from_hub = load_model(tmp_path / "saved")[0], load_model(tmp_path / "hub")[0]
     np.testing.assert_array_equal(np.array(saved(ids)), np.array(from_hub(ids)))
+
+
+def test_a_partial_mrope_turns_only_the_first_dims():
+    """Qwen3.5 rotates a quarter of each head: on text positions (t = h = w) that is the
+    plain partial rotary, and the other dims pass unchanged."""
+    x = mx.random.normal((1, 2, 5, 16))
+    positions = mx.broadcast_to(mx.arange(3, 8)[None, None], (3, 1, 5))
+    rope = MRoPE(4, 10000.0, (1, 1, 0), 512, interleaved=True)
+    np.testing.assert_allclose(np.array(rope(x, positions)), np.array(RoPE(4, False, 10000.0, None, 512)(x, 3)),
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.array(rope(x, positions))[..., 4:], np.array(x)[..., 4:])
+
+
+def test_qwen3_5s_tower_is_qwen3_vls_without_deepstack():
+    """transformers' Qwen3.5 image features from our Qwen3-VL tower (no DeepStack mergers)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    keys = dict(TINY_CONFIGS["qwen3_5"])
+    keys["vision_config"] = {**keys["vision_config"], "patch_size": 2, "num_position_embeddings": 16}
+    hf_model = perturb(AutoModelForImageTextToText.from_config(AutoConfig.for_model("qwen3_5", **keys),
+                                                               attn_implementation="eager"))
+    pixel_values = random_pixel_values(GRIDS, hf_model.config.vision_config)
+    with torch.no_grad():
+        expected = torch.cat(hf_model.model.get_image_features(torch.from_numpy(pixel_values), torch.tensor(GRIDS))
+                             .pooler_output).numpy()
+    tower = vision_tower_from_checkpoint(hf_model.config.to_dict(), hf_weights(hf_model))
+    assert isinstance(tower, Qwen3VisionTower) and not tower.deepstack_merger_list
+    np.testing.assert_allclose(np.array(tower(mx.array(pixel_values), GRIDS)), expected, atol=1e-4, rtol=1e-4)
