@@ -12,6 +12,15 @@ those embeddings; with Gemma 3 (``image_attention`` "bidirectional") the tokens 
 also see each other during that forward pass. The KV cache is the language model's own, so
 what follows the prompt is plain text decoding: ``model(tokens, cache=cache)``.
 
+Qwen's models (``vision`` holds ``qwen_tower``): the tower is Qwen's own
+(``qwen_vision.py``, ``qwen3_vision.py``), whose merger is the projector; it takes the
+patches with ``grid_thw``. Their language model turns by M-RoPE positions: pass
+``positions`` (3, B, L) to every call while the sequence holds images, the prompt's from
+``rope_positions(prompt, grid_thw)`` and then ``mrope.decode_positions(offset,
+[rope_delta])`` (``generation/images.py`` does both). Qwen3-VL's image features carry its
+DeepStack features side by side, (n_image_tokens, (1 + n_deepstack) * D), added to the
+image tokens' states after the first layers.
+
 Shapes: B batch, L positions, S keys, D the language model's width.
 """
 

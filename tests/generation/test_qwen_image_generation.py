@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from fixtures.qwen_vision_models import gradient_image, qwen_vl_folder, shapes_image
+from fixtures.qwen_vision_models import CHAT_TEMPLATE, gradient_image, qwen_vl_folder, shapes_image
 
 from mlx_tfm import load
 from mlx_tfm.convert.converter import convert
 from mlx_tfm.errors import UserError
-from mlx_tfm.generation.images import bind_images
+from mlx_tfm.generation.images import bind_images, image_prompt_text
 from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.weights.files import read_checkpoint
 
@@ -99,6 +99,30 @@ def test_the_image_flag(qwen_folder, tmp_path):
     expected = generate(model, processor, PROMPT, images=two_images(), max_tokens=4)
     result = run_cli("generate", "--model", str(folder), "--image", str(paths[0]), "--image", str(paths[1]),
                      "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "4", "--verbose", "false")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected.strip()
+
+
+def test_the_chat_template_writes_the_images_and_the_cli_converts(qwen_folder, tmp_path):
+    """The images as content parts of the user message, rendered as transformers renders
+    them; then ``mlx-tfm convert -q`` and ``generate --image`` through that template."""
+    folder, _, reference = qwen_folder
+    model, processor = load(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "Describe this picture."}]}]
+    text = image_prompt_text(model, processor, "Describe this picture.", 2)
+    assert text == reference.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE,
+                                                           add_generation_prompt=True, tokenize=False)
+    assert text.count(IMAGE) == 2
+    converted = run_cli("convert", "--hf-path", str(folder), "--mlx-path", str(tmp_path / "q4"), "-q",
+                        "--q-group-size", "32")
+    assert converted.returncode == 0, converted.stderr
+    paths = [tmp_path / "0.png", tmp_path / "1.png"]
+    for image, path in zip(two_images(), paths):
+        image.save(path)
+    expected = generate(*load(tmp_path / "q4"), text, images=two_images(), max_tokens=4)
+    result = run_cli("generate", "--model", str(tmp_path / "q4"), "--image", str(paths[0]), "--image", str(paths[1]),
+                     "--prompt", "Describe this picture.", "--max-tokens", "4", "--verbose", "false")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected.strip()
 
