@@ -33,6 +33,7 @@ from .experts import qwen3_moe_args, split_fused_experts
 # Qwen2-VL's published sections of a 128-wide head's 64 frequencies, where a config omits them
 DEFAULT_MROPE_SECTION = (16, 24, 24)
 QWEN3_MROPE_SECTION = (24, 20, 20)  # Qwen3-VL's, interleaved
+QWEN3_5_MROPE_SECTION = (11, 11, 10)  # Qwen3.5's, interleaved, of its partial rotary
 # model_type -> its tower (model/qwen_vision.py STYLES)
 TOWER_STYLES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                 "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}  # Qwen3.5's: Qwen3-VL's without DeepStack
@@ -54,6 +55,8 @@ def mrope_section_of(text: dict, model_type: str = "qwen2_vl") -> list[int]:
     for key in ("rope_parameters", "rope_scaling"):
         if (text.get(key) or {}).get("mrope_section"):
             return list(text[key]["mrope_section"])
+    if model_type.startswith("qwen3_5"):
+        return list(QWEN3_5_MROPE_SECTION)
     return list(QWEN3_MROPE_SECTION if TOWER_STYLES.get(model_type) == "qwen3_vl" else DEFAULT_MROPE_SECTION)
 
 
@@ -61,8 +64,11 @@ def mrope_args(config: dict, text_args, interleaved: bool = False) -> dict:
     """The language model's fields by ``text_args`` (its text family's), rotated by M-RoPE
     with the frequencies split by mrope_section (run after run, or ``interleaved``)."""
     text = text_config_of(config)
-    rope_theta = (text.get("rope_parameters") or {}).get("rope_theta") or text.get("rope_theta", 1000000.0)
-    plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "rope_scaling": None}
+    params = text.get("rope_parameters") or {}
+    rope_theta = params.get("rope_theta") or text.get("rope_theta", 1000000.0)
+    partial = params.get("partial_rotary_factor") or text.get("partial_rotary_factor", 1.0)  # Qwen3.5 turns a part
+    plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
+                                         "partial_rotary_factor": partial}, "rope_scaling": None}
     rope = {"rope_type": "mrope", "mrope_section": mrope_section_of(text, config["model_type"])}
     return {**text_args(plain), "rope_scaling": {**rope, "mrope_interleaved": True} if interleaved else rope,
             "model_type": config["model_type"], "vision": qwen_vision_fields(config)}

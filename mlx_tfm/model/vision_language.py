@@ -33,6 +33,7 @@ import mlx.nn as nn
 
 from .cache import window_mask
 from .config import ModelArgs
+from .mixers import ATTENTION_TYPES
 from .mrope import ExplicitPositions, batch_positions
 from .positions import rope_type
 from .projectors import make_projector
@@ -136,7 +137,8 @@ class VisionLanguageModel(nn.Module):
         masks = stack._stack_masks(mask, embeddings.shape[1], cache, embeddings.dtype)
         caches = cache if cache is not None else [None] * len(stack.layers)
         if positions is not None:
-            caches = [ExplicitPositions(layer_cache, positions) for layer_cache in caches]
+            caches = [ExplicitPositions(layer_cache, positions) if kind in ATTENTION_TYPES else layer_cache
+                      for layer_cache, kind in zip(caches, self.args.layer_types)]
         h = embeddings
         for i, (layer, layer_cache) in enumerate(zip(stack.layers, caches)):
             h = layer(h, masks[i], layer_cache)

@@ -22,7 +22,7 @@ from .qwen_images import QwenImageSettings, expand_image_tokens, preprocess_imag
 IMAGE_TOKEN = "<|image_pad|>"
 # What Qwen's chat template writes for an image: the pad between the vision markers
 IMAGE_BLOCK = f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>"
-QWEN_PROCESSOR_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_PROCESSOR_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 class QwenVisionProcessor(Tokenizer):
