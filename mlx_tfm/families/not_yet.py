@@ -47,7 +47,7 @@ NOT_YET: dict[str, tuple[str, str]] = {
                      "xlnet", "reformer"), ("encoder", ENCODER_AS_DECODER)),
     # image-text and audio-text models
     **dict.fromkeys(("emu3", "fuyu", "git", "got_ocr2", "mllama", "phi4_multimodal", "gemma3n", "gemma4_unified",
-                     "kimi_vl", "pixtral", "qwen3_vl", "qwen3_vl_moe",
+                     "kimi_vl", "pixtral",
                      "minimax_m3_vl", "minimax_m3_vl_text", "lfm2-vl", "moshi", "musicgen", "musicgen_melody",
                      "dots3_note", "dots3_note_text", "aria_text", "cohere_compass_text"), ("dense", IMAGE_TEXT)),
     # dense decoders

@@ -30,10 +30,23 @@ def rotate_by_angles(x: mx.array, angles: mx.array) -> mx.array:
     return mx.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def section_angles(positions: mx.array, inv_freq: mx.array, sections: tuple[int, ...]) -> mx.array:
+def frequency_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.ndarray:
+    """Which axis (0 t, 1 h, 2 w) turns each frequency (sum(sections),): the sections one
+    run after another (Qwen2-VL), or interleaved t, h, w, t, h, w, ... with t taking what
+    is left at the end (Qwen3-VL: frequency 3k + 1 is h's while k < h's section, 3k + 2 w's)."""
+    if not interleaved:
+        return np.repeat(np.arange(len(sections)), sections)
+    axes = np.zeros(sum(sections), dtype=np.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
+
+
+def section_angles(positions: mx.array, inv_freq: mx.array, sections: tuple[int, ...],
+                   interleaved: bool = False) -> mx.array:
     """positions (3, B, L) -> angles (B, L, sum(sections)): frequency i turns by the
-    position of the axis whose section holds it (t first, then h, then w)."""
-    axis_of_frequency = np.repeat(np.arange(len(sections)), sections)  # (head_dim / 2,)
+    position of the axis whose section holds it (``frequency_axes``)."""
+    axis_of_frequency = frequency_axes(sections, interleaved)  # (head_dim / 2,)
     if len(axis_of_frequency) != inv_freq.shape[0]:
         raise ValueError(f"mrope_section {list(sections)} sums to {len(axis_of_frequency)}, "
                          f"not head_dim / 2 = {inv_freq.shape[0]}")
@@ -46,26 +59,33 @@ class MRoPE(RoPE):
     offset (every axis at the same position: the ordinary rotary, on its fused routes) or
     the (3, B, L) positions of M-RoPE."""
 
-    def __init__(self, dims: int, base: float, sections: tuple[int, ...], max_positions: int):
+    def __init__(self, dims: int, base: float, sections: tuple[int, ...], max_positions: int,
+                 interleaved: bool = False):
         super().__init__(dims, False, base, None, max_positions)
         self.sections = tuple(sections)
+        self.interleaved = interleaved
         self._inv_freq = mx.array((1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
         section_angles(mx.zeros((3, 1, 1), mx.int32), self._inv_freq, self.sections)  # checks the sections
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not (isinstance(offset, mx.array) and offset.ndim == 3):  # an int, or per-row offsets (B,)
             return super().__call__(x, offset)
-        angles = section_angles(offset, self._inv_freq, self.sections)  # (B, L, head_dim / 2)
-        return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+        angles = section_angles(offset, self._inv_freq, self.sections, self.interleaved)  # (B, L, dims / 2)
+        if self.dims == x.shape[-1]:
+            return rotate_by_angles(x, angles[:, None])  # broadcast over heads
+        # a partial rotary (Qwen3.5): the first dims of each head turn, the rest pass
+        return mx.concatenate([rotate_by_angles(x[..., : self.dims], angles[:, None]), x[..., self.dims :]], axis=-1)
 
 
 def make_mrope(args, head_dim: int) -> MRoPE | None:
     """The M-RoPE of a model whose ``rope_scaling`` is ``{"rope_type": "mrope",
-    "mrope_section": [t, h, w]}`` (as Qwen2-VL's checkpoints first wrote it); else None."""
+    "mrope_section": [t, h, w]}`` (as Qwen2-VL's checkpoints first wrote it; Qwen3-VL's add
+    ``"mrope_interleaved": true``); else None."""
     if rope_type(args.rope_scaling) != "mrope":
         return None
     dims = int(head_dim * args.partial_rotary_factor)
-    return MRoPE(dims, args.rope_theta, args.rope_scaling["mrope_section"], args.max_position_embeddings)
+    return MRoPE(dims, args.rope_theta, args.rope_scaling["mrope_section"], args.max_position_embeddings,
+                 bool(args.rope_scaling.get("mrope_interleaved")))
 
 
 class ExplicitPositions:

@@ -27,7 +27,7 @@ from .config import ModelArgs
 from .layers import MLP, RMSNorm
 from .mrope import rotate_by_angles
 
-STYLES = ("qwen2_vl", "qwen2_5_vl")
+STYLES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ class QwenVisionArgs:
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Qwen3-VL (model/qwen3_vision.py): a learned square grid of positions resampled to each
+    # image, and the blocks whose states also reach the language model's first layers
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, config: dict, style: str) -> "QwenVisionArgs":
@@ -70,10 +74,19 @@ class QwenVisionArgs:
                    "hidden_act": config.get("hidden_act") or "quick_gelu"}
         else:
             own = {"hidden_size": config.get("hidden_size"), "out_hidden_size": config.get("out_hidden_size"),
-                   "intermediate_size": config.get("intermediate_size"), "hidden_act": config.get("hidden_act"),
+                   "intermediate_size": config.get("intermediate_size"),
+                   "hidden_act": config.get("hidden_act") or ("gelu_pytorch_tanh" if style == "qwen3_vl" else None),
                    "window_size": config.get("window_size"),
-                   "fullatt_block_indexes": tuple(config.get("fullatt_block_indexes") or ())}
+                   "fullatt_block_indexes": tuple(config.get("fullatt_block_indexes") or ()),
+                   "num_position_embeddings": config.get("num_position_embeddings"),
+                   "deepstack_visual_indexes": tuple(config.get("deepstack_visual_indexes") or ())}
         return cls(**{k: v for k, v in {**common, **own}.items() if v is not None})
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "QwenVisionArgs":
+        """Back from ``dataclasses.asdict`` (as ``VisionArgs.qwen_tower`` holds it)."""
+        return cls(**{**fields, "fullatt_block_indexes": tuple(fields.get("fullatt_block_indexes") or ()),
+                      "deepstack_visual_indexes": tuple(fields.get("deepstack_visual_indexes") or ())})
 
     @property
     def head_dim(self) -> int:
@@ -180,12 +193,13 @@ def quick_gelu(x: mx.array) -> mx.array:
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = (T, P, P) as a matmul: (N, C * T * P * P) -> (N, D)."""
+    """Conv3d with kernel = stride = (T, P, P) as a matmul: (N, C * T * P * P) -> (N, D);
+    Qwen3-VL's has a bias."""
 
     def __init__(self, args: QwenVisionArgs):
         super().__init__()
         patch = args.in_channels * args.temporal_patch_size * args.patch_size**2
-        self.proj = nn.Linear(patch, args.hidden_size, bias=False)
+        self.proj = nn.Linear(patch, args.hidden_size, bias=args.style == "qwen3_vl")
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
         return self.proj(pixel_values)

@@ -25,7 +25,7 @@ from .experts_beside_mlp import with_experts
 from .kv_sharing import first_shared_layer, kv_sources, wire_shared_caches
 from .layers import ACTIVATIONS, MLP, gated_activation, make_norm
 from .mamba import Mamba2Mixer, ParallelCache
-from .mixers import mixer_kind
+from .mixers import ATTENTION_TYPES, mixer_kind
 from .mrope import ExplicitPositions
 from .per_layer_inputs import add_per_layer_input, block_modules, per_layer_inputs, stack_modules
 from .positions import SinusoidalPositions, position_ids
@@ -273,8 +273,9 @@ class TransformerModel(nn.Module):
         per_layer = per_layer_inputs(self, inputs, h) if self.args.hidden_size_per_layer_input else None
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
-        if positions is not None:  # they ride to each attention layer with its cache
-            cache = [ExplicitPositions(layer_cache, positions) for layer_cache in cache]
+        if positions is not None:  # they ride to each attention layer with its cache (Qwen3.5's recurrent ones pass)
+            cache = [ExplicitPositions(layer_cache, positions) if kind in ATTENTION_TYPES else layer_cache
+                     for layer_cache, kind in zip(cache, self.args.layer_types)]
         if self.args.num_kv_shared_layers:  # Gemma 4: the shared layers read their source's (kv_sharing.py)
             cache = wire_shared_caches(self.args, cache)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):

@@ -36,6 +36,8 @@ class VisionArgs:
     # the language model's side
     image_token_id: int = -1  # the token whose embeddings the image features replace
     image_attention: str = "causal"  # "bidirectional" (Gemma 3): one image's tokens see each other
+    # -- Qwen's own tower (model/qwen_vision.py: its merger is the projector) --
+    qwen_tower: dict | None = None  # QwenVisionArgs fields; None: the ViT of ``tower``
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "VisionArgs":

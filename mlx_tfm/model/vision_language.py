@@ -12,6 +12,15 @@ those embeddings; with Gemma 3 (``image_attention`` "bidirectional") the tokens 
 also see each other during that forward pass. The KV cache is the language model's own, so
 what follows the prompt is plain text decoding: ``model(tokens, cache=cache)``.
 
+Qwen's models (``vision`` holds ``qwen_tower``): the tower is Qwen's own
+(``qwen_vision.py``, ``qwen3_vision.py``), whose merger is the projector; it takes the
+patches with ``grid_thw``. Their language model turns by M-RoPE positions: pass
+``positions`` (3, B, L) to every call while the sequence holds images, the prompt's from
+``rope_positions(prompt, grid_thw)`` and then ``mrope.decode_positions(offset,
+[rope_delta])`` (``generation/images.py`` does both). Qwen3-VL's image features carry its
+DeepStack features side by side, (n_image_tokens, (1 + n_deepstack) * D), added to the
+image tokens' states after the first layers.
+
 Shapes: B batch, L positions, S keys, D the language model's width.
 """
 
@@ -24,7 +33,12 @@ import mlx.nn as nn
 
 from .cache import window_mask
 from .config import ModelArgs
+from .mixers import ATTENTION_TYPES
+from .mrope import ExplicitPositions, batch_positions
+from .positions import rope_type
 from .projectors import make_projector
+from .qwen3_vision import make_qwen_tower, split_deepstack
+from .qwen_vision import QwenVisionArgs
 from .transformer import Model
 from .vision_args import VisionArgs
 from .vision_tower import VisionTower
@@ -75,32 +89,72 @@ class VisionLanguageModel(nn.Module):
             raise ValueError("a vision-language model needs its tower's arguments (vision)")
         self.args = args
         self.vision_args = VisionArgs.from_dict(args.vision)
-        tower = self.vision_args.tower_args()
         self.language_model = Model(dataclasses.replace(args, vision=None))
+        if self.vision_args.qwen_tower is not None:  # Qwen's tower ends in its own merger
+            self.vision_tower = make_qwen_tower(QwenVisionArgs.from_fields(self.vision_args.qwen_tower))
+            self.multi_modal_projector = nn.Identity()
+            return
+        tower = self.vision_args.tower_args()
         self.vision_tower = VisionTower(tower, self.vision_args)
         self.multi_modal_projector = make_projector(self.vision_args, tower, args)
 
     def encode_images(self, pixel_values: mx.array, **image_inputs) -> mx.array:
         """Pixel values (n_views, C, H, W) -> image features (n_image_tokens, D), in the
-        order the prompt's image tokens take them."""
+        order the prompt's image tokens take them. Qwen's tower: pixel values (patches,
+        C * T * P * P) with ``grid_thw`` (n_images, 3), as its processor prepares them."""
         states = self.vision_tower(pixel_values, **image_inputs)
         features = self.multi_modal_projector(states)  # (n_views, tokens, D)
         return features.reshape(-1, features.shape[-1])
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
-                 image_features: mx.array | None = None) -> mx.array:
+                 image_features: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
         """Token ids (B, L) -> logits (B, L, vocab_size); ``image_features`` (from
-        ``encode_images``) fill the image tokens' places."""
+        ``encode_images``) fill the image tokens' places. ``positions`` (3, B, L): M-RoPE's
+        positions of these tokens (``rope_positions``), for Qwen's models whenever the
+        sequence holds images, prompt and decoding alike; None: the cache's offset."""
         if image_features is None:
-            return self.language_model(inputs, mask, cache)
+            return self.language_model(inputs, mask, cache, positions=positions)
         is_image = inputs == self.vision_args.image_token_id
+        n_deepstack = len((self.vision_args.qwen_tower or {}).get("deepstack_visual_indexes") or ())
+        if n_deepstack:  # Qwen3-VL: the rows hold the DeepStack features beside the merged ones
+            image_features, deepstack = split_deepstack(image_features, n_deepstack)
         embeddings = scatter_image_features(self.embed_tokens(inputs, is_image), is_image, image_features)
+        if n_deepstack:
+            return self.deepstack_forward(embeddings, is_image, deepstack, mask, cache, positions)
         if self.vision_args.image_attention == "bidirectional" and mask is None and inputs.shape[1] > 1:
             stack, offset = self.language_model.model, cache[0].offset if cache is not None else 0
             # the masks the stack would build from the caches, then each image's block opened
             masks = stack._stack_masks(None, inputs.shape[1], cache, embeddings.dtype)
             mask = [with_image_blocks(m, is_image, offset) for m in masks]
-        return self.language_model(inputs, mask, cache, input_embeddings=embeddings)
+        return self.language_model(inputs, mask, cache, input_embeddings=embeddings, positions=positions)
+
+    def deepstack_forward(self, embeddings: mx.array, is_image: mx.array, deepstack: list[mx.array], mask,
+                          cache: list | None, positions: mx.array | None) -> mx.array:
+        """The language model's layers over ``embeddings`` (B, L, D), each DeepStack
+        feature (n_image_tokens, D) added to the image tokens' states after the layer of
+        its number (Qwen3-VL); the masks and positions as the stack gives them."""
+        stack = self.language_model.model
+        masks = stack._stack_masks(mask, embeddings.shape[1], cache, embeddings.dtype)
+        caches = cache if cache is not None else [None] * len(stack.layers)
+        if positions is not None:
+            caches = [ExplicitPositions(layer_cache, positions) if kind in ATTENTION_TYPES else layer_cache
+                      for layer_cache, kind in zip(caches, self.args.layer_types)]
+        h = embeddings
+        for i, (layer, layer_cache) in enumerate(zip(stack.layers, caches)):
+            h = layer(h, masks[i], layer_cache)
+            if i < len(deepstack):
+                h = h + scatter_image_features(mx.zeros_like(h), is_image, deepstack[i])
+        return self.language_model.head(stack.norm(h))
+
+    def rope_positions(self, prompt: list[int], image_grid_thw) -> tuple[mx.array, int] | None:
+        """M-RoPE's positions (3, 1, L) of a prompt whose images have ``image_grid_thw``
+        (n, 3), and its rope_delta: the tokens after the prompt take
+        ``mrope.decode_positions(offset, [rope_delta])``. None for a model without M-RoPE."""
+        if self.vision_args.qwen_tower is None or rope_type(self.args.rope_scaling) != "mrope":
+            return None
+        merge = self.vision_args.qwen_tower["spatial_merge_size"]
+        positions, deltas = batch_positions([list(prompt)], self.vision_args.image_token_id, image_grid_thw, merge)
+        return positions, deltas[0]
 
     def embed_tokens(self, inputs: mx.array, is_image: mx.array) -> mx.array:
         """The text embeddings (B, L, D), scaled as the language model scales them; image

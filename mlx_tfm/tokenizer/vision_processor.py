@@ -18,6 +18,7 @@ from ..jsonfile import read_json
 from . import Tokenizer
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
+from .qwen_processor import QWEN_PROCESSOR_TYPES, QwenVisionProcessor, read_qwen_processor
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
 PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3"}
@@ -56,11 +57,14 @@ class VisionProcessor(Tokenizer):
         return {"role": "user", "content": self.placeholder * n_images + text}
 
 
-def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> VisionProcessor | None:
+def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict
+                          ) -> VisionProcessor | QwenVisionProcessor | None:
     """The processor of an image-text model folder, or None when the folder has no image
     processor settings (preprocessor_config.json, or transformers 5's processor_config.json
     holding them as ``image_processor``): then it reads text only."""
     model_type = config.get("model_type")
+    if model_type in QWEN_PROCESSOR_TYPES:  # Qwen's own processor (qwen_processor.py)
+        return read_qwen_processor(folder, tokenizer)
     if model_type not in PROMPT_KINDS:
         raise UserError(f"{model_type!r} models take no images here ({', '.join(PROMPT_KINDS)} do)")
     processor_path, path = Path(folder) / "processor_config.json", Path(folder) / "preprocessor_config.json"

@@ -96,7 +96,7 @@ def test_the_script_checks_the_page():
 
 
 @pytest.mark.parametrize("model_type,closest", [("lama", "llama"), ("ernie4_5_moee", "ernie4_5_moe, ernie4_5"),
-                                                ("qwen3_vl", "qwen2_vl")])  # its nearest built relative
+                                                ("qwen2_5_omni", "qwen2_5_vl")])  # its nearest built relative
 def test_unknown_type_names_the_closest_families(model_type, closest):
     with pytest.raises(UserError) as error:
         architecture_for({"model_type": model_type})

@@ -1,0 +1,72 @@
+"""Qwen3.5 with images (families/qwen3_5_vl.py, not yet in the table): the hybrid language
+model on interleaved M-RoPE over its partial rotary, Qwen3-VL's tower without DeepStack,
+against transformers' Qwen3_5ForConditionalGeneration: logits, and the prompt read in
+chunks then decoded token by token against transformers' one pass."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from fixtures.convert_helpers import TINY_CONFIGS
+from fixtures.qwen_vision_models import GRIDS, IMAGE_TOKEN, SPECIAL_TOKENS, image_prompt, perturb, random_pixel_values
+
+from mlx_tfm.families import ARCHITECTURES
+from mlx_tfm.families.qwen3_5_vl import QWEN3_5_VL
+from mlx_tfm.generation.images import ImageBoundModel
+from mlx_tfm.loading import load_model
+from mlx_tfm.model.vision_language import VisionLanguageModel
+
+PROMPT = image_prompt(GRIDS, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+ANSWER = [20, 21, 22, 23]
+# head_dim 16, half of it turned: 4 frequencies, interleaved t, h, w, t
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True}
+# A float32 run of the delta rule (chunked or step by step) lands up to about 2e-4 from the
+# float64 logits on random models like these (test_hybrid_families.py allows Qwen3-Next 3e-4
+# likewise; this one's forward lands 1.3e-4 away); a wrong position is ~0.2 off.
+DELTA_RULE_ATOL = 3e-4
+VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+@pytest.fixture(params=["qwen3_5", "qwen3_5_moe"])
+def qwen3_5_folder(request, tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    name = request.param
+    monkeypatch.setitem(ARCHITECTURES, name, QWEN3_5_VL[name])
+    text = {**TINY_CONFIGS[name]["text_config"], "rope_parameters": ROPE}
+    config = AutoConfig.for_model(name, text_config=text, vision_config=VISION, **SPECIAL_TOKENS)
+    torch.manual_seed(0)  # the initial values perturb moves the norms and gates from are drawn too
+    hf_model = perturb(AutoModelForImageTextToText.from_config(config, attn_implementation="eager"))
+    hf_model.save_pretrained(tmp_path / name)
+    return tmp_path / name, hf_model
+
+
+def hf_logits(hf_model, ids: list[int], pixel_values: np.ndarray) -> np.ndarray:
+    """transformers' logits in float64: any float32 run of the delta rule drifts about 2e-4
+    from them over these positions (tests/families/test_hybrid_families.py), ours too."""
+    input_ids = torch.tensor([ids])
+    if hf_model.config.text_config.model_type == "qwen3_5_moe_text":
+        hf_model.set_experts_implementation("eager")  # the grouped products have no float64
+    with torch.no_grad():
+        return hf_model.double()(input_ids=input_ids, pixel_values=torch.from_numpy(pixel_values).double(),
+                        image_grid_thw=torch.tensor(GRIDS), mm_token_type_ids=(input_ids == IMAGE_TOKEN).int()
+                        ).logits[0].numpy()
+
+
+def test_logits_and_cached_decoding_match_transformers(qwen3_5_folder):
+    folder, hf_model = qwen3_5_folder
+    pixel_values = random_pixel_values(GRIDS, hf_model.config.vision_config)
+    expected = hf_logits(hf_model, PROMPT + ANSWER, pixel_values)
+    model, _ = load_model(folder)
+    assert isinstance(model, VisionLanguageModel)
+    features = model.encode_images(mx.array(pixel_values), grid_thw=GRIDS)
+    bound = ImageBoundModel(model, features, PROMPT, model.rope_positions(PROMPT, GRIDS))
+    np.testing.assert_allclose(np.array(bound(mx.array([PROMPT + ANSWER]))[0]), expected, atol=DELTA_RULE_ATOL, rtol=0)
+    cache, pieces = bound.make_cache(), []
+    for start in range(0, len(PROMPT), 9):  # chunk edges inside both images
+        pieces.append(np.array(bound(mx.array([PROMPT[start:start + 9]]), cache=cache)[0]))
+    for token in ANSWER:
+        pieces.append(np.array(bound(mx.array([[token]]), cache=cache)[0]))
+    np.testing.assert_allclose(np.concatenate(pieces), expected, atol=DELTA_RULE_ATOL, rtol=0)
