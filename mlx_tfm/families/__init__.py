@@ -35,6 +35,7 @@ from .minimax import MINIMAX
 from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
+from .pixtral import PIXTRAL_FAMILIES
 from .qwen_vl import QWEN_VL
 from .state_space import STATE_SPACE
 from .vision import VISION_LANGUAGE
@@ -46,6 +47,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT, **KIMI, **MINIMAX,
     **VISION_LANGUAGE,  # image-text models (llava, idefics3, smolvlm, gemma3): after DECODERS' text-only gemma3
     **QWEN_VL,  # Qwen2-VL / Qwen2.5-VL: the language model (qwen_vl.py; the tower beside it)
+    **PIXTRAL_FAMILIES,  # mistral3 with its Pixtral tower: after MORE_DECODERS' text-only mistral3
 }
 
 

@@ -62,12 +62,12 @@ def bind_images(model, processor: Tokenizer, prompt: str, images: list) -> tuple
     check_takes_images(model, processor)
     if not isinstance(prompt, str):
         raise UserError("a prompt with images must be text (its image placeholders are expanded into tokens)")
-    ids, pixel_values = processor.prepare(prompt, images)
+    ids, pixel_values, image_inputs = processor.prepare_inputs(prompt, images)
     context = model.args.max_position_embeddings
     if len(ids) >= context:
         raise UserError(f"the prompt with its {len(images)} image(s) takes {len(ids)} tokens and the context holds "
                         f"{context}: use fewer or smaller images")
-    features = model.encode_images(mx.array(pixel_values))
+    features = model.encode_images(mx.array(pixel_values), **image_inputs)
     mx.eval(features)
     return ImageBoundModel(model, features, ids), ids
 

@@ -36,6 +36,9 @@ class VisionArgs:
     # the language model's side
     image_token_id: int = -1  # the token whose embeddings the image features replace
     image_attention: str = "causal"  # "bidirectional" (Gemma 3): one image's tokens see each other
+    # -- towers other than the ViT above (Pixtral: model/pixtral_vision.py) --
+    tower_kind: str = "vit"  # which model class builds the tower and projector (model/encoders.py)
+    tower_fields: dict = field(default_factory=dict)  # that tower's own arguments (e.g. PixtralArgs)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "VisionArgs":

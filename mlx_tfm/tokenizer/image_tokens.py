@@ -8,7 +8,9 @@ processors do:
   ``\\n<fake_token_around_image><global-img>``, the global view's tokens and a closing
   ``<fake_token_around_image>`` (one image that fits one tile: only the global part);
 - Gemma 3: ``<start_of_image>`` -> ``\\n\\n<start_of_image>``, ``mm_tokens_per_image`` soft
-  tokens ``<image_soft_token>``, ``<end_of_image>\\n\\n``.
+  tokens ``<image_soft_token>``, ``<end_of_image>\\n\\n``;
+- Mistral 3 (Pixtral): ``[IMG]`` -> the image's rows of ``[IMG]`` tokens, each row ended by
+  ``[IMG_BREAK]``, the last by ``[IMG_END]`` (pixtral_images.py; ``rows x cols`` its grid).
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .pixtral_images import pixtral_image_text
 
-KINDS = ("llava", "idefics3", "gemma3")
+KINDS = ("llava", "idefics3", "gemma3", "pixtral")
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
     """How one family writes an image into its prompt (``read_image_prompt`` builds it)."""
 
-    kind: str  # "llava" | "idefics3" | "gemma3"
+    kind: str  # "llava" | "idefics3" | "gemma3" | "pixtral"
     placeholder: str  # what the prompt holds once per image
     image_token: str  # the token whose embeddings the image features replace
     tokens_per_view: int  # image tokens per view (a tile or the whole image)
@@ -53,11 +56,16 @@ def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
     if kind == "gemma3":
         count = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
         return ImagePrompt("gemma3", "<start_of_image>", "<image_soft_token>", count)
+    if kind == "pixtral":  # tokens per image: its own grid (rows x cols)
+        token = processor.get("image_token") or "[IMG]"
+        return ImagePrompt("pixtral", token, token, 0)
     raise UserError(f"unknown image prompt kind {kind!r} ({', '.join(KINDS)})")
 
 
 def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0) -> str:
     """The text one image's placeholder becomes (``rows x cols``: Idefics3's tile grid)."""
+    if prompt.kind == "pixtral":
+        return pixtral_image_text(prompt.image_token, rows, cols)
     tokens = prompt.image_token * prompt.tokens_per_view
     if prompt.kind == "llava":
         return tokens

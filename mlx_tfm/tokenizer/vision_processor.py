@@ -18,9 +18,11 @@ from ..jsonfile import read_json
 from . import Tokenizer
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
+from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
-PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3"}
+PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3",
+                "mistral3": "pixtral"}
 
 
 class VisionProcessor(Tokenizer):
@@ -41,12 +43,21 @@ class VisionProcessor(Tokenizer):
     def prepare(self, text: str, images: list) -> tuple[list[int], np.ndarray]:
         """``text`` with one placeholder per image (none written: all images go first) ->
         (token ids, pixel values (n_views, C, H, W) float32)."""
-        inputs = preprocess_images(images, self.processing)
+        ids, pixel_values, _ = self.prepare_inputs(text, images)
+        return ids, pixel_values
+
+    def prepare_inputs(self, text: str, images: list) -> tuple[list[int], np.ndarray, dict]:
+        """As ``prepare``, plus the tower's other inputs for ``encode_images`` (Pixtral's
+        ``image_sizes``; none for the fixed-size towers)."""
+        pixtral = self.processing.kind == "pixtral"  # images of their own sizes, padded
+        inputs = (preprocess_pixtral_images if pixtral else preprocess_images)(images, self.processing)
+        image_inputs = {"image_sizes": inputs["image_sizes"]} if pixtral else {}
         if images and self.placeholder not in text:
             text = self.placeholder * len(images) + text
         expanded = expand_image_placeholders(text, self.image_prompt, inputs["rows"], inputs["cols"])
         bos = self.special_tokens.get("bos_token")  # a rendered chat template writes its own
-        return self.encode(expanded, add_special_tokens=not (bos and expanded.startswith(bos))), inputs["pixel_values"]
+        ids = self.encode(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))
+        return ids, inputs["pixel_values"], image_inputs
 
     def image_message(self, text: str, n_images: int) -> dict:
         """A user message with ``n_images`` images before ``text``: as content parts when
@@ -68,5 +79,6 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> V
     settings = read_json(path) if path.is_file() else processor.get("image_processor")
     if settings is None:
         return None
-    return VisionProcessor(tokenizer, read_image_processing(settings),
-                           read_image_prompt(PROMPT_KINDS[model_type], processor, config))
+    kind = PROMPT_KINDS[model_type]
+    processing = read_pixtral_processing(settings, config) if kind == "pixtral" else read_image_processing(settings)
+    return VisionProcessor(tokenizer, processing, read_image_prompt(kind, processor, config))

@@ -1,0 +1,155 @@
+"""Mistral 3 with its Pixtral tower (model/pixtral_vision.py, families/pixtral.py,
+tokenizer/pixtral_images.py) against transformers 5 on a tiny random model with the two
+test images, which resize to different sizes: pixel values, the expanded prompt, image
+features, logits and greedy tokens of the whole Mistral3ForConditionalGeneration, and our
+cached decoding against our own full forward."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures.pixtral_models import (
+    IMAGE_TOKEN,
+    hf_pixtral_inputs,
+    make_mistral3_model,
+    pixtral_image_processor,
+    word_tokenizer,
+)
+from fixtures.vision_images import two_images
+
+from mlx_tfm.errors import UserError
+from mlx_tfm.loading import load_model
+from mlx_tfm.model.pixtral_vision import axial_rope_angles, merge_patches
+from mlx_tfm.tokenizer.image_tokens import expand_image_placeholders, read_image_prompt
+from mlx_tfm.tokenizer.pixtral_images import preprocess_pixtral_images, read_pixtral_processing
+
+CONFIG = {"vision_config": {"patch_size": 4}, "spatial_merge_size": 2}
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mistral3")
+    hf = make_mistral3_model(folder)
+    model, _ = load_model(folder)
+    return hf, model
+
+
+def our_inputs() -> dict:
+    processing = read_pixtral_processing(pixtral_image_processor().to_dict(), CONFIG)
+    return preprocess_pixtral_images(two_images(), processing)
+
+
+def test_pixel_values_and_sizes_match_the_slow_processor():
+    ours, theirs = our_inputs(), hf_pixtral_inputs(two_images())
+    assert ours["image_sizes"].tolist() == theirs["image_sizes"].tolist() == [[24, 32], [32, 24]]
+    np.testing.assert_allclose(ours["pixel_values"], theirs["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_the_expanded_prompt_is_the_token_grid_of_each_image(mistral3):
+    """PixtralProcessor's layout (it needs torchvision, so it is written out here as a
+    list): per image ``rows`` lines of ``cols`` [IMG], each ended by [IMG_BREAK], the last
+    by [IMG_END]; the [IMG] count per image is transformers' feature count for it."""
+    import torch
+
+    hf, _ = mistral3
+    tokenizer, inputs = word_tokenizer(), our_inputs()
+    text = "[INST] describe [IMG] and [IMG] [/INST]"
+    expanded = expand_image_placeholders(text, read_image_prompt("pixtral", {}, CONFIG), inputs["rows"], inputs["cols"])
+    expected = ["[INST]", "describe"]
+    for rows, cols, after in zip(inputs["rows"], inputs["cols"], (["and"], ["[/INST]"])):
+        grid = [token for _ in range(rows) for token in ["[IMG]"] * cols + ["[IMG_BREAK]"]]
+        expected += grid[:-1] + ["[IMG_END]"] + after
+    assert tokenizer(expanded, add_special_tokens=False)["input_ids"] == tokenizer.convert_tokens_to_ids(expected)
+    hf_inputs = hf_pixtral_inputs(two_images())
+    with torch.no_grad():
+        features = hf.model.get_image_features(torch.tensor(hf_inputs["pixel_values"]),
+                                               image_sizes=torch.tensor(hf_inputs["image_sizes"])).pooler_output
+    assert [r * c for r, c in zip(inputs["rows"], inputs["cols"])] == [len(f) for f in features] == [12, 12]
+
+
+def test_image_features_match_transformers(mistral3):
+    import torch
+
+    hf, model = mistral3
+    inputs = hf_pixtral_inputs(two_images())
+    with torch.no_grad():
+        expected = hf.model.get_image_features(torch.tensor(inputs["pixel_values"]),
+                                               image_sizes=torch.tensor(inputs["image_sizes"])).pooler_output
+    ours = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
+    np.testing.assert_allclose(np.array(ours), torch.cat(expected).numpy(), atol=1e-4, rtol=0)
+
+
+def prompt_ids(features_per_image: list[int]) -> list[int]:
+    ids = [1, 7]
+    for count in features_per_image:
+        ids += [IMAGE_TOKEN] * count + [9, 11]
+    return ids + [12, 13]
+
+
+def test_logits_and_greedy_tokens_match_transformers(mistral3):
+    import torch
+
+    hf, model = mistral3
+    inputs = hf_pixtral_inputs(two_images())
+    features = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
+    ids = prompt_ids([12, 12])  # (24 / 8) x (32 / 8), (32 / 8) x (24 / 8)
+    hf_inputs = {"input_ids": torch.tensor([ids]), "pixel_values": torch.tensor(inputs["pixel_values"]),
+                 "image_sizes": torch.tensor(inputs["image_sizes"])}
+    with torch.no_grad():
+        expected = hf(**hf_inputs).logits[0].numpy()
+        hf_tokens = hf.generate(**hf_inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    np.testing.assert_allclose(np.array(model(mx.array([ids]), image_features=features)[0]), expected, atol=1e-4,
+                               rtol=0)
+    cache, tokens = model.make_cache(), []
+    logits = model(mx.array([ids]), cache=cache, image_features=features)
+    for _ in range(6):
+        tokens.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)
+    assert tokens == hf_tokens
+
+
+def test_cached_decoding_equals_the_full_forward(mistral3):
+    _, model = mistral3
+    inputs = our_inputs()
+    features = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
+    ids, continuation = prompt_ids([12, 12]), [7, 200, 42, 11]
+    full = np.array(model(mx.array([ids + continuation]), image_features=features)[0])
+    cache = model.make_cache()
+    steps = [np.array(model(mx.array([ids]), cache=cache, image_features=features)[0])]
+    steps += [np.array(model(mx.array([[t]]), cache=cache)[0]) for t in continuation]
+    np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-4, rtol=0)
+
+
+def test_axial_rope_turns_the_first_quarter_by_row_and_the_second_by_column():
+    """An independent reading of Pixtral's table: frequency j of the 1D table over hd is
+    theta^(-2j / hd); rows take the even j, columns the odd j."""
+    head_dim, theta = 8, 100.0
+    angles = np.array(axial_rope_angles(2, 3, head_dim, theta))  # (6, 4)
+    freq = theta ** (-np.arange(0, head_dim, 2) / head_dim)  # (4,)
+    patch = 1 * 3 + 2  # row 1, column 2
+    np.testing.assert_allclose(angles[patch], [1 * freq[0], 1 * freq[2], 2 * freq[1], 2 * freq[3]], rtol=1e-6)
+
+
+def test_the_patch_merger_orders_each_block_as_torch_unfold():
+    import torch
+
+    states = np.random.default_rng(0).normal(size=(4 * 6, 3)).astype(np.float32)  # a 4 x 6 grid of width 3
+    grid = torch.tensor(states).view(4, 6, 3).permute(2, 0, 1)[None]
+    expected = torch.nn.functional.unfold(grid, kernel_size=2, stride=2).view(3 * 4, -1).t().numpy()
+    np.testing.assert_array_equal(np.array(merge_patches(mx.array(states), 4, 6, 2)), expected)
+
+
+def test_another_processor_is_one_line():
+    with pytest.raises(UserError, match="'CLIPImageProcessor' is not Pixtral's"):
+        read_pixtral_processing({"image_processor_type": "CLIPImageProcessor"}, CONFIG)
+
+
+def test_several_feature_layers_are_one_line(tmp_path):
+    from mlx_tfm.families import model_args_from_config
+
+    config = {"model_type": "mistral3", "text_config": {"model_type": "mistral", "hidden_size": 64,
+                                                        "num_attention_heads": 4, "num_hidden_layers": 2,
+                                                        "intermediate_size": 128, "vocab_size": 256},
+              "vision_feature_layer": [-1, -2]}
+    with pytest.raises(UserError, match="several vision_feature_layer"):
+        model_args_from_config(config)
