@@ -1,7 +1,9 @@
-"""Mistral 3 (Mistral Small 3.1, Ministral 3) as an image-text model: its language model
-as ``more_decoders.mistral3_args`` reads it, plus Pixtral's tower and Mistral 3's projector
-(model/pixtral_vision.py) under ``vision`` (``VisionArgs`` with tower_kind "pixtral", the
-tower's fields in ``tower_fields``).
+"""Pixtral's tower (model/pixtral_vision.py) in two families: Mistral 3 (Mistral Small
+3.1, Ministral 3; its language model as ``more_decoders.mistral3_args`` reads it, Mistral 3's
+projector) and Pixtral 12B (a ``llava`` checkpoint whose vision_config is "pixtral": LLaVA's
+MLP projector, one token per patch). Both put ``VisionArgs`` with tower_kind "pixtral" under
+``vision``, the tower's fields in ``tower_fields``. A ``llava`` checkpoint with a CLIP tower
+reads as vision.py says.
 
 On disk as transformers 4 saves it and mlx-lm's mistral3 reads it (``language_model.model.*``,
 ``language_model.lm_head.*``, ``vision_tower.*``, ``multi_modal_projector.*``): those are
@@ -16,7 +18,8 @@ from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import COMMON_DROPS, Architecture, activation
 from .more_decoders import mistral3_args
-from .vision import VISION_PATHS, llava_feature_layers, saved_layout
+from .vision import VISION_PATHS, VISION_RENAMES, llava_args, llava_feature_layers, saved_layout, text_args, \
+    unused_tower_tensors
 
 # transformers' Mistral 3 defaults for the vision_config keys a hub config leaves out
 PIXTRAL_TOWER = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -54,6 +57,35 @@ def mistral3_vision_args(config: dict) -> dict:
     }}
 
 
+def llava_pixtral_args(config: dict) -> dict:
+    """Pixtral 12B: the language model (``text_config``), Pixtral's tower and LLaVA's MLP."""
+    vision = config.get("vision_config") or {}
+    if config.get("vision_feature_select_strategy", "default") != "full":
+        raise UserError("LLaVA with a Pixtral tower reads vision_feature_select_strategy 'full' only")
+    layers = llava_feature_layers(config, vision.get("num_hidden_layers", PIXTRAL_TOWER["num_hidden_layers"]))
+    fields = {**pixtral_tower_fields(vision, layers), "projector": "llava", "spatial_merge_size": 1,
+              "projector_act": activation(config.get("projector_hidden_act", "gelu")),
+              "projector_bias": config.get("multimodal_projector_bias", True)}
+    return {**text_args(config, "llama"), "model_type": config["model_type"], "vision": {
+        "tower_kind": "pixtral", "tower_fields": fields, "patch_size": fields["patch_size"],
+        "num_channels": fields["num_channels"],
+        "image_token_id": config.get("image_token_index", config.get("image_token_id", 10)),
+    }}
+
+
+def has_pixtral_tower(config: dict) -> bool:
+    return (config.get("vision_config") or {}).get("model_type") == "pixtral"
+
+
+def llava_any_tower_args(config: dict) -> dict:
+    return llava_pixtral_args(config) if has_pixtral_tower(config) else llava_args(config)
+
+
+def unused_llava_tensors(weights: dict, args: ModelArgs) -> dict:
+    pixtral = args.vision.get("tower_kind") == "pixtral"
+    return (unused_pixtral_tensors if pixtral else unused_tower_tensors)(weights, args)
+
+
 def unused_pixtral_tensors(weights: dict, args: ModelArgs) -> dict:
     """Without the tower's layers after the feature layer, and a tied head's copy."""
     layers = args.vision["tower_fields"]["num_hidden_layers"]
@@ -70,6 +102,10 @@ def unused_pixtral_tensors(weights: dict, args: ModelArgs) -> dict:
 
 
 PIXTRAL_FAMILIES: dict[str, Architecture] = {
+    # replaces vision.py's llava: the same for a CLIP tower, Pixtral 12B's for a Pixtral one
+    # (its tensor names pass VISION_RENAMES unchanged but for the language model's)
+    "llava": Architecture(args=llava_any_tower_args, renames=VISION_RENAMES, drops=COMMON_DROPS,
+                          rewrite=unused_llava_tensors, layout=saved_layout, unquantized=VISION_PATHS),
     # replaces more_decoders' text-only reading of mistral3 (families/__init__.py puts it after)
     "mistral3": Architecture(args=mistral3_vision_args, drops=COMMON_DROPS, rewrite=unused_pixtral_tensors,
                              layout=saved_layout, unquantized=VISION_PATHS),

@@ -10,7 +10,8 @@ rotated as in Llama).
 
 Mistral 3's projector (``Mistral3Projector``): RMSNorm, the patch merger (each s x s block
 of the patch grid side by side, one linear map back to the tower's width), then LLaVA's
-linear_1 -> activation -> linear_2 into the language model's width.
+linear_1 -> activation -> linear_2 into the language model's width. Pixtral 12B (a
+``llava`` checkpoint with this tower) has that MLP alone (``LlavaMLPProjector``).
 
 ``PixtralVisionLanguageModel`` is ``VisionLanguageModel`` with this tower and projector;
 ``encode_images(pixel_values (N, C, H_max, W_max), image_sizes (N, 2))`` reads each image's
@@ -50,7 +51,8 @@ class PixtralArgs:
     patch_size: int = 16
     num_channels: int = 3
     norm_eps: float = 1e-5  # Pixtral's norms: fixed in its code, not configured
-    # Mistral 3's projector
+    # the projector: "mistral3" (RMSNorm, patch merger, MLP) | "llava" (the MLP alone: Pixtral 12B)
+    projector: str = "mistral3"
     spatial_merge_size: int = 2
     projector_norm_eps: float = 1e-5  # the text model's rms_norm_eps
     projector_act: str = "gelu"
@@ -213,8 +215,25 @@ class Mistral3Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(merged)))
 
 
+class LlavaMLPProjector(nn.Module):
+    """``projector(states (P, D), rows, cols)`` -> (P, D_text): one image token per patch."""
+
+    def __init__(self, args: PixtralArgs, text_hidden_size: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(args.hidden_size, text_hidden_size, bias=args.projector_bias)
+        self.act = ACTIVATIONS[args.projector_act]
+        self.linear_2 = nn.Linear(text_hidden_size, text_hidden_size, bias=args.projector_bias)
+
+    def __call__(self, states: mx.array, rows: int, cols: int) -> mx.array:
+        return self.linear_2(self.act(self.linear_1(states)))
+
+
+PIXTRAL_PROJECTORS = {"mistral3": Mistral3Projector, "llava": LlavaMLPProjector}
+
+
 class PixtralVisionLanguageModel(VisionLanguageModel):
-    """Mistral 3: ``language_model``, ``vision_tower`` (Pixtral), ``multi_modal_projector``."""
+    """Mistral 3 and Pixtral 12B: ``language_model``, ``vision_tower`` (Pixtral),
+    ``multi_modal_projector`` (``PixtralArgs.projector``)."""
 
     def __init__(self, args: ModelArgs):
         # VisionLanguageModel.__init__ builds the ViT tower; this model builds its own
@@ -224,7 +243,9 @@ class PixtralVisionLanguageModel(VisionLanguageModel):
         self.pixtral = PixtralArgs.from_dict(self.vision_args.tower_fields)
         self.language_model = Model(dataclasses.replace(args, vision=None))
         self.vision_tower = PixtralVisionTower(self.pixtral)
-        self.multi_modal_projector = Mistral3Projector(self.pixtral, args.hidden_size)
+        if self.pixtral.projector not in PIXTRAL_PROJECTORS:
+            raise ValueError(f"unknown Pixtral projector {self.pixtral.projector!r} ({', '.join(PIXTRAL_PROJECTORS)})")
+        self.multi_modal_projector = PIXTRAL_PROJECTORS[self.pixtral.projector](self.pixtral, args.hidden_size)
 
     def encode_images(self, pixel_values: mx.array, image_sizes=None) -> mx.array:
         """Pixel values (N, C, H, W), image i in its top-left ``image_sizes[i]`` (height,

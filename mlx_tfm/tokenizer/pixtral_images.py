@@ -36,7 +36,9 @@ def read_pixtral_processing(settings: dict, config: dict) -> ImageProcessing:
     if "longest_edge" not in size:
         raise UserError("a Pixtral image processor without size.longest_edge is not supported")
     vision = config.get("vision_config") or {}
-    multiple = vision.get("patch_size", 14) * config.get("spatial_merge_size", 1)
+    # Mistral 3 merges 2 x 2 patches unless it says otherwise; Pixtral 12B (llava) merges none
+    merge = config.get("spatial_merge_size", 2 if config.get("model_type") == "mistral3" else 1)
+    multiple = vision.get("patch_size", 14) * merge
     return ImageProcessing(
         kind="pixtral", size=(size["longest_edge"],) * 2, tile=multiple,
         resample=int(settings.get("resample", Image.BICUBIC)),

@@ -80,5 +80,7 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> V
     if settings is None:
         return None
     kind = PROMPT_KINDS[model_type]
+    if (config.get("vision_config") or {}).get("model_type") == "pixtral":  # Pixtral 12B: a llava
+        kind = "pixtral"
     processing = read_pixtral_processing(settings, config) if kind == "pixtral" else read_image_processing(settings)
     return VisionProcessor(tokenizer, processing, read_image_prompt(kind, processor, config))

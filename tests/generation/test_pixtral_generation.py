@@ -9,7 +9,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.pixtral_models import hf_pixtral_inputs, make_mistral3_model, save_processor_files
+from fixtures.pixtral_models import hf_pixtral_inputs, make_pixtral_model, save_processor_files
 from fixtures.vision_images import two_images
 
 from mlx_tfm import load
@@ -24,15 +24,15 @@ QUIET = dict(log=lambda *_: None)
 @pytest.fixture(scope="module")
 def mistral3_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mistral3")
-    hf = make_mistral3_model(folder)
+    hf = make_pixtral_model(folder)
     save_processor_files(folder)
     return folder, hf
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+def hf_greedy(hf, ids: list[int], n: int, family: str = "mistral3") -> list[int]:
     import torch
 
-    inputs = hf_pixtral_inputs(two_images())
+    inputs = hf_pixtral_inputs(two_images(), family)
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(inputs["pixel_values"]),
                           image_sizes=torch.tensor(inputs["image_sizes"]), max_new_tokens=n, min_new_tokens=n,
@@ -105,3 +105,14 @@ def test_the_converted_float_folder_generates_as_transformers(mistral3_folder, t
     ids, _ = processor.prepare(PROMPT, two_images())
     tokens = [r.token for r in stream_generate(model, processor, PROMPT, images=two_images(), max_tokens=6)]
     assert tokens == hf_greedy(hf, ids, 6)
+
+
+def test_pixtral_12b_generates_as_transformers(tmp_path):
+    """A llava folder with the Pixtral tower: its processor reads Pixtral's images and grid."""
+    hf = make_pixtral_model(tmp_path / "llava", "llava", seed=1)  # a seed whose 6 greedy tokens hold no eos
+    save_processor_files(tmp_path / "llava", "llava")
+    model, processor = load(tmp_path / "llava")
+    ids, _ = processor.prepare(PROMPT, two_images())
+    assert ids.count(4) == 6 - 1 + 8 - 1 and ids.count(5) == 2  # [IMG_BREAK] after all rows but the last
+    tokens = [r.token for r in stream_generate(model, processor, PROMPT, images=two_images(), max_tokens=6)]
+    assert tokens == hf_greedy(hf, ids, 6, "llava")

@@ -1,8 +1,8 @@
-"""Mistral 3 with its Pixtral tower (model/pixtral_vision.py, families/pixtral.py,
-tokenizer/pixtral_images.py) against transformers 5 on a tiny random model with the two
-test images, which resize to different sizes: pixel values, the expanded prompt, image
-features, logits and greedy tokens of the whole Mistral3ForConditionalGeneration, and our
-cached decoding against our own full forward."""
+"""Mistral 3 and Pixtral 12B (LLaVA) with the Pixtral tower (model/pixtral_vision.py,
+families/pixtral.py, tokenizer/pixtral_images.py) against transformers 5 on tiny random
+models with the two test images, which resize to different sizes: pixel values, the
+expanded prompt, image features, logits and greedy tokens of the whole
+*ForConditionalGeneration, and our cached decoding against our own full forward."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,7 +10,8 @@ import pytest
 from fixtures.pixtral_models import (
     IMAGE_TOKEN,
     hf_pixtral_inputs,
-    make_mistral3_model,
+    RESIZE_MULTIPLE,
+    make_pixtral_model,
     pixtral_image_processor,
     word_tokenizer,
 )
@@ -22,60 +23,74 @@ from mlx_tfm.model.pixtral_vision import axial_rope_angles, merge_patches
 from mlx_tfm.tokenizer.image_tokens import expand_image_placeholders, read_image_prompt
 from mlx_tfm.tokenizer.pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
-CONFIG = {"vision_config": {"patch_size": 4}, "spatial_merge_size": 2}
+FAMILIES = ("mistral3", "llava")
+CONFIG = {"model_type": "mistral3", "vision_config": {"patch_size": 4}}  # merge 2: Mistral 3's default
+# each test image's token grid, by family: (24 / 8) x (32 / 8), (32 / 8) x (24 / 8); no merge: sides of 4
+GRIDS = {"mistral3": [(3, 4), (4, 3)], "llava": [(6, 8), (8, 5)]}
 
 
-@pytest.fixture(scope="module")
-def mistral3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mistral3")
-    hf = make_mistral3_model(folder)
+@pytest.fixture(scope="module", params=FAMILIES)
+def pixtral(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_pixtral_model(folder, request.param)
     model, _ = load_model(folder)
-    return hf, model
+    return request.param, hf, model
 
 
-def our_inputs() -> dict:
-    processing = read_pixtral_processing(pixtral_image_processor().to_dict(), CONFIG)
+def family_config(family: str) -> dict:
+    return CONFIG if family == "mistral3" else {"model_type": "llava", "vision_config": {"patch_size": 4}}
+
+
+def our_inputs(family: str = "mistral3") -> dict:
+    processing = read_pixtral_processing(pixtral_image_processor().to_dict(), family_config(family))
     return preprocess_pixtral_images(two_images(), processing)
 
 
-def test_pixel_values_and_sizes_match_the_slow_processor():
-    ours, theirs = our_inputs(), hf_pixtral_inputs(two_images())
-    assert ours["image_sizes"].tolist() == theirs["image_sizes"].tolist() == [[24, 32], [32, 24]]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pixel_values_and_sizes_match_the_slow_processor(family):
+    ours, theirs = our_inputs(family), hf_pixtral_inputs(two_images(), family)
+    multiple = RESIZE_MULTIPLE[family]
+    assert ours["image_sizes"].tolist() == theirs["image_sizes"].tolist() == [
+        [rows * multiple, cols * multiple] for rows, cols in GRIDS[family]]
     np.testing.assert_allclose(ours["pixel_values"], theirs["pixel_values"], atol=1e-5, rtol=0)
 
 
-def test_the_expanded_prompt_is_the_token_grid_of_each_image(mistral3):
+def test_the_expanded_prompt_is_the_token_grid_of_each_image(pixtral):
     """PixtralProcessor's layout (it needs torchvision, so it is written out here as a
     list): per image ``rows`` lines of ``cols`` [IMG], each ended by [IMG_BREAK], the last
     by [IMG_END]; the [IMG] count per image is transformers' feature count for it."""
     import torch
 
-    hf, _ = mistral3
-    tokenizer, inputs = word_tokenizer(), our_inputs()
+    family, hf, _ = pixtral
+    tokenizer, inputs = word_tokenizer(), our_inputs(family)
     text = "[INST] describe [IMG] and [IMG] [/INST]"
-    expanded = expand_image_placeholders(text, read_image_prompt("pixtral", {}, CONFIG), inputs["rows"], inputs["cols"])
+    prompt = read_image_prompt("pixtral", {}, family_config(family))
+    expanded = expand_image_placeholders(text, prompt, inputs["rows"], inputs["cols"])
     expected = ["[INST]", "describe"]
     for rows, cols, after in zip(inputs["rows"], inputs["cols"], (["and"], ["[/INST]"])):
         grid = [token for _ in range(rows) for token in ["[IMG]"] * cols + ["[IMG_BREAK]"]]
         expected += grid[:-1] + ["[IMG_END]"] + after
     assert tokenizer(expanded, add_special_tokens=False)["input_ids"] == tokenizer.convert_tokens_to_ids(expected)
-    hf_inputs = hf_pixtral_inputs(two_images())
-    with torch.no_grad():
-        features = hf.model.get_image_features(torch.tensor(hf_inputs["pixel_values"]),
-                                               image_sizes=torch.tensor(hf_inputs["image_sizes"])).pooler_output
-    assert [r * c for r, c in zip(inputs["rows"], inputs["cols"])] == [len(f) for f in features] == [12, 12]
+    assert list(zip(inputs["rows"], inputs["cols"])) == GRIDS[family]
+    assert [r * c for r, c in GRIDS[family]] == [len(f) for f in hf_features(hf, family)]
 
 
-def test_image_features_match_transformers(mistral3):
+def hf_features(hf, family: str) -> list:
     import torch
 
-    hf, model = mistral3
-    inputs = hf_pixtral_inputs(two_images())
+    inputs = hf_pixtral_inputs(two_images(), family)
     with torch.no_grad():
-        expected = hf.model.get_image_features(torch.tensor(inputs["pixel_values"]),
-                                               image_sizes=torch.tensor(inputs["image_sizes"])).pooler_output
+        return hf.model.get_image_features(torch.tensor(inputs["pixel_values"]),
+                                           image_sizes=torch.tensor(inputs["image_sizes"])).pooler_output
+
+
+def test_image_features_match_transformers(pixtral):
+    import torch
+
+    family, hf, model = pixtral
+    inputs = hf_pixtral_inputs(two_images(), family)
     ours = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
-    np.testing.assert_allclose(np.array(ours), torch.cat(expected).numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(ours), torch.cat(hf_features(hf, family)).numpy(), atol=1e-4, rtol=0)
 
 
 def prompt_ids(features_per_image: list[int]) -> list[int]:
@@ -85,13 +100,13 @@ def prompt_ids(features_per_image: list[int]) -> list[int]:
     return ids + [12, 13]
 
 
-def test_logits_and_greedy_tokens_match_transformers(mistral3):
+def test_logits_and_greedy_tokens_match_transformers(pixtral):
     import torch
 
-    hf, model = mistral3
-    inputs = hf_pixtral_inputs(two_images())
+    family, hf, model = pixtral
+    inputs = hf_pixtral_inputs(two_images(), family)
     features = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
-    ids = prompt_ids([12, 12])  # (24 / 8) x (32 / 8), (32 / 8) x (24 / 8)
+    ids = prompt_ids([rows * cols for rows, cols in GRIDS[family]])
     hf_inputs = {"input_ids": torch.tensor([ids]), "pixel_values": torch.tensor(inputs["pixel_values"]),
                  "image_sizes": torch.tensor(inputs["image_sizes"])}
     with torch.no_grad():
@@ -108,11 +123,11 @@ def test_logits_and_greedy_tokens_match_transformers(mistral3):
     assert tokens == hf_tokens
 
 
-def test_cached_decoding_equals_the_full_forward(mistral3):
-    _, model = mistral3
-    inputs = our_inputs()
+def test_cached_decoding_equals_the_full_forward(pixtral):
+    family, _, model = pixtral
+    inputs = our_inputs(family)
     features = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
-    ids, continuation = prompt_ids([12, 12]), [7, 200, 42, 11]
+    ids, continuation = prompt_ids([rows * cols for rows, cols in GRIDS[family]]), [7, 200, 42, 11]
     full = np.array(model(mx.array([ids + continuation]), image_features=features)[0])
     cache = model.make_cache()
     steps = [np.array(model(mx.array([ids]), cache=cache, image_features=features)[0])]
@@ -144,12 +159,23 @@ def test_another_processor_is_one_line():
         read_pixtral_processing({"image_processor_type": "CLIPImageProcessor"}, CONFIG)
 
 
-def test_several_feature_layers_are_one_line(tmp_path):
+TEXT = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "intermediate_size": 128, "vocab_size": 256}
+
+
+def test_several_feature_layers_are_one_line():
     from mlx_tfm.families import model_args_from_config
 
-    config = {"model_type": "mistral3", "text_config": {"model_type": "mistral", "hidden_size": 64,
-                                                        "num_attention_heads": 4, "num_hidden_layers": 2,
-                                                        "intermediate_size": 128, "vocab_size": 256},
-              "vision_feature_layer": [-1, -2]}
     with pytest.raises(UserError, match="several vision_feature_layer"):
+        model_args_from_config({"model_type": "mistral3", "text_config": TEXT, "vision_feature_layer": [-1, -2]})
+
+
+def test_pixtral_12b_drops_no_patch():
+    """LLaVA's "default" strategy would drop the packed sequence's first patch: refused."""
+    from mlx_tfm.families import model_args_from_config
+
+    config = {"model_type": "llava", "text_config": TEXT, "vision_config": {"model_type": "pixtral"}}
+    with pytest.raises(UserError, match="vision_feature_select_strategy 'full' only"):
         model_args_from_config(config)
+    args = model_args_from_config({**config, "vision_feature_select_strategy": "full"})
+    assert args.vision["tower_kind"] == "pixtral" and args.vision["tower_fields"]["projector"] == "llava"
