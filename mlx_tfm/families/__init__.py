@@ -30,6 +30,7 @@ from .gemma4 import GEMMA4
 from .hybrids import HYBRIDS
 from .kimi import KIMI
 from .latent import LATENT
+from .lfm2_vl import LFM2_VL_FAMILIES
 from .llama4 import LLAMA4
 from .minimax import MINIMAX
 from .more_decoders import MORE_DECODERS
@@ -48,6 +49,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **VISION_LANGUAGE,  # image-text models (llava, idefics3, smolvlm, gemma3): after DECODERS' text-only gemma3
     **QWEN_VL,  # Qwen2-VL / Qwen2.5-VL: the language model (qwen_vl.py; the tower beside it)
     **PIXTRAL_FAMILIES,  # mistral3 with its Pixtral tower: after MORE_DECODERS' text-only mistral3
+    **LFM2_VL_FAMILIES,  # LFM2-VL: LFM2 with SigLIP2's NaFlex tower
 }
 
 

@@ -252,7 +252,7 @@ class PixtralVisionLanguageModel(VisionLanguageModel):
         width; all of it when None) -> features (n_image_tokens, D), image by image, each
         row-major over its merged patch grid."""
         N, _, H, W = pixel_values.shape
-        sizes = [(H, W)] * N if image_sizes is None else [tuple(int(s) for s in size) for size in image_sizes]
+        sizes = [(H, W)] * N if image_sizes is None else mx.array(image_sizes).tolist()
         if len(sizes) != N:
             raise ValueError(f"{len(sizes)} image sizes for {N} images")
         p, features = self.pixtral.patch_size, []
