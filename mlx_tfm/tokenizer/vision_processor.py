@@ -23,6 +23,9 @@ from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
 PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3",
                 "mistral3": "pixtral"}
+# model_types whose towers run (``encode_images``) but whose image preprocessing is not built:
+# they load and read text; images are refused in one line
+PREPROCESSING_NOT_YET = {"lfm2_vl": "LFM2-VL's image preprocessing (SigLIP2 NaFlex tiles and thumbnail)"}
 
 
 class VisionProcessor(Tokenizer):
@@ -49,6 +52,9 @@ class VisionProcessor(Tokenizer):
     def prepare_inputs(self, text: str, images: list) -> tuple[list[int], np.ndarray, dict]:
         """As ``prepare``, plus the tower's other inputs for ``encode_images`` (Pixtral's
         ``image_sizes``; none for the fixed-size towers)."""
+        if self.processing.kind in PREPROCESSING_NOT_YET:
+            raise UserError(f"{PREPROCESSING_NOT_YET[self.processing.kind]} is not supported yet: this model reads "
+                            "text only here")
         pixtral = self.processing.kind == "pixtral"  # images of their own sizes, padded
         inputs = (preprocess_pixtral_images if pixtral else preprocess_images)(images, self.processing)
         image_inputs = {"image_sizes": inputs["image_sizes"]} if pixtral else {}
@@ -72,6 +78,9 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> V
     processor settings (preprocessor_config.json, or transformers 5's processor_config.json
     holding them as ``image_processor``): then it reads text only."""
     model_type = config.get("model_type")
+    if model_type in PREPROCESSING_NOT_YET:
+        unbuilt = ImageProcessing(kind=model_type, size=(0, 0), resample=0)
+        return VisionProcessor(tokenizer, unbuilt, ImagePrompt(model_type, "<image>", "<image>", 0))
     if model_type not in PROMPT_KINDS:
         raise UserError(f"{model_type!r} models take no images here ({', '.join(PROMPT_KINDS)} do)")
     processor_path, path = Path(folder) / "processor_config.json", Path(folder) / "preprocessor_config.json"
