@@ -27,6 +27,7 @@ from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
 from .gemma4 import GEMMA4
+from .gemma4_vision import GEMMA4_VISION_FAMILIES
 from .hybrids import HYBRIDS
 from .kimi import KIMI
 from .latent import LATENT
@@ -50,6 +51,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **QWEN_VL,  # Qwen2-VL / Qwen2.5-VL: the language model (qwen_vl.py; the tower beside it)
     **PIXTRAL_FAMILIES,  # mistral3 with its Pixtral tower: after MORE_DECODERS' text-only mistral3
     **LFM2_VL_FAMILIES,  # LFM2-VL: LFM2 with SigLIP2's NaFlex tower
+    **GEMMA4_VISION_FAMILIES,  # gemma4 with its vision tower: after GEMMA4's text-only gemma4
 }
 
 

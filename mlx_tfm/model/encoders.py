@@ -26,6 +26,7 @@ from .cache import CrossAttentionCache, KVCache
 from .config import ModelArgs
 from .heads import ClassificationHead, MaskedLMHead
 from .transformer import Model, TransformerModel
+from .gemma4_vision import Gemma4VisionLanguageModel
 from .lfm2_vl_vision import Lfm2VlModel
 from .pixtral_vision import PixtralVisionLanguageModel
 from .vision_language import VisionLanguageModel
@@ -168,7 +169,7 @@ class BoundDecoder:
 
 # VisionArgs.tower_kind -> the image-text model class that builds that tower
 VISION_LANGUAGE_MODELS = {"vit": VisionLanguageModel, "pixtral": PixtralVisionLanguageModel,
-                          "siglip2_naflex": Lfm2VlModel}
+                          "siglip2_naflex": Lfm2VlModel, "gemma4": Gemma4VisionLanguageModel}
 
 
 def make_model(args: ModelArgs) -> nn.Module:

@@ -29,7 +29,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import ModelArgs
 from .layers import ACTIVATIONS, RMSNorm
+from .per_layer_inputs import per_layer_inputs
+from .transformer import Model
+from .vision_args import VisionArgs
+from .vision_language import VisionLanguageModel, scatter_image_features
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Gemma4VisionArgs:
     position_embedding_size: int = 10240
     use_clipped_linears: bool = False
     standardize: bool = False
+    pad_token_id: int = 0  # the language model's: what its per-layer inputs see at image tokens
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "Gemma4VisionArgs":
@@ -229,3 +235,40 @@ def encode_gemma4_images(tower: Gemma4VisionTower, embedder: Gemma4VisionEmbedde
         n_real = int((positions[:, 0] >= 0).sum().item())  # the padding comes last
         features.append(embedder(tower(patches[:n_real], positions[:n_real].astype(mx.int32))))
     return mx.concatenate(features) if features else mx.zeros((0, embedder.embedding_projection.weight.shape[0]))
+
+
+class Gemma4VisionLanguageModel(VisionLanguageModel):
+    """Gemma 4 with images: ``language_model``, ``vision_tower``, ``embed_vision``. The
+    image tokens' embeddings are the features; their per-layer inputs look the pad token up
+    and project the features (as transformers does)."""
+
+    def __init__(self, args: ModelArgs):
+        # VisionLanguageModel.__init__ builds the fixed-size ViT; this model builds its own
+        nn.Module.__init__(self)
+        self.args = args
+        self.vision_args = VisionArgs.from_dict(args.vision)
+        self.gemma4 = Gemma4VisionArgs.from_dict(self.vision_args.tower_fields)
+        self.language_model = Model(dataclasses.replace(args, vision=None))
+        self.vision_tower = Gemma4VisionTower(self.gemma4)
+        self.embed_vision = Gemma4VisionEmbedder(self.gemma4, args.hidden_size)
+
+    def encode_images(self, pixel_values: mx.array, image_position_ids=None) -> mx.array:
+        """Cut patches (N, max_patches, 3 * p * p) and their (x, y), -1 for padding ->
+        features (n_soft_tokens, D)."""
+        if image_position_ids is None:
+            raise ValueError("Gemma 4's tower needs each patch's position (image_position_ids)")
+        return encode_gemma4_images(self.vision_tower, self.embed_vision, pixel_values, image_position_ids)
+
+    def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
+                 image_features: mx.array | None = None) -> mx.array:
+        if image_features is None:
+            return self.language_model(inputs, mask, cache)
+        is_image = inputs == self.vision_args.image_token_id
+        text_ids = mx.where(is_image, self.gemma4.pad_token_id, inputs)
+        stack = self.language_model.model
+        embedded = stack.embed_tokens(text_ids)
+        if self.args.embedding_scale is not None:
+            embedded = embedded * mx.array(self.args.embedding_scale, dtype=embedded.dtype)
+        embeddings = scatter_image_features(embedded, is_image, image_features)
+        per_layer = per_layer_inputs(stack, text_ids, embeddings) if self.args.hidden_size_per_layer_input else None
+        return self.language_model(inputs, mask, cache, input_embeddings=embeddings, per_layer_input=per_layer)
