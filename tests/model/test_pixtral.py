@@ -179,3 +179,24 @@ def test_pixtral_12b_drops_no_patch():
         model_args_from_config(config)
     args = model_args_from_config({**config, "vision_feature_select_strategy": "full"})
     assert args.vision["tower_kind"] == "pixtral" and args.vision["tower_fields"]["projector"] == "llava"
+
+
+def test_a_folder_without_the_tower_loads_the_language_model_alone(tmp_path):
+    """mlx-lm's conversions drop the tower and projector but keep vision_config."""
+    import shutil
+
+    import torch
+
+    from mlx_tfm.model.transformer import Model
+
+    hf = make_pixtral_model(tmp_path / "hf")
+    shutil.copytree(tmp_path / "hf", tmp_path / "text", ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = mx.load(str(tmp_path / "hf" / "model.safetensors"))
+    mx.save_safetensors(str(tmp_path / "text" / "model.safetensors"),
+                        {n: w for n, w in weights.items() if "vision_tower" not in n and "projector" not in n})
+    model, _ = load_model(tmp_path / "text")
+    assert isinstance(model, Model) and model.args.vision is None
+    ids = [1, 7, 9, 11, 200, 42]
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(model(mx.array([ids]))[0]), expected, atol=1e-4, rtol=0)
