@@ -18,11 +18,16 @@ from ..jsonfile import read_json
 from . import Tokenizer
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
+from .gemma4_images import preprocess_gemma4_images, read_gemma4_processing
 from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
 PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3",
-                "mistral3": "pixtral"}
+                "mistral3": "pixtral", "gemma4": "gemma4"}
+# processing kinds with their own preprocessing (else images.py's), and the tower inputs
+# beside the pixel values that it makes for ``encode_images``
+PREPROCESSORS = {"pixtral": (preprocess_pixtral_images, ("image_sizes",)),
+                 "gemma4": (preprocess_gemma4_images, ("image_position_ids",))}
 # model_types whose towers run (``encode_images``) but whose image preprocessing is not built:
 # they load and read text; images are refused in one line
 PREPROCESSING_NOT_YET = {"lfm2_vl": "LFM2-VL's image preprocessing (SigLIP2 NaFlex tiles and thumbnail)"}
@@ -55,9 +60,9 @@ class VisionProcessor(Tokenizer):
         if self.processing.kind in PREPROCESSING_NOT_YET:
             raise UserError(f"{PREPROCESSING_NOT_YET[self.processing.kind]} is not supported yet: this model reads "
                             "text only here")
-        pixtral = self.processing.kind == "pixtral"  # images of their own sizes, padded
-        inputs = (preprocess_pixtral_images if pixtral else preprocess_images)(images, self.processing)
-        image_inputs = {"image_sizes": inputs["image_sizes"]} if pixtral else {}
+        preprocess, input_names = PREPROCESSORS.get(self.processing.kind, (preprocess_images, ()))
+        inputs = preprocess(images, self.processing)
+        image_inputs = {name: inputs[name] for name in input_names}
         if images and self.placeholder not in text:
             text = self.placeholder * len(images) + text
         expanded = expand_image_placeholders(text, self.image_prompt, inputs["rows"], inputs["cols"])
@@ -91,5 +96,16 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict) -> V
     kind = PROMPT_KINDS[model_type]
     if (config.get("vision_config") or {}).get("model_type") == "pixtral":  # Pixtral 12B: a llava
         kind = "pixtral"
-    processing = read_pixtral_processing(settings, config) if kind == "pixtral" else read_image_processing(settings)
+    if kind == "gemma4":
+        processor = {**gemma4_image_tokens(tokenizer, config), **processor}
+    readers = {"pixtral": lambda: read_pixtral_processing(settings, config),
+               "gemma4": lambda: read_gemma4_processing(settings)}
+    processing = readers.get(kind, lambda: read_image_processing(settings))()
     return VisionProcessor(tokenizer, processing, read_image_prompt(kind, processor, config))
+
+
+def gemma4_image_tokens(tokenizer: Tokenizer, config: dict) -> dict:
+    """Gemma 4's image, begin and end token texts: its tokenizer's spelling of config.json's ids."""
+    ids = {"image_token": config.get("image_token_id", 258880), "boi_token": config.get("boi_token_id", 255999),
+           "eoi_token": config.get("eoi_token_id", 258882)}
+    return {name: tokenizer.id_to_token(token_id) for name, token_id in ids.items()}
