@@ -159,3 +159,23 @@ def test_an_unsupported_soft_token_budget_is_one_line():
 
     with pytest.raises(UserError, match="max_soft_tokens is one of 70, 140, 280, 560, 1120, not 100"):
         read_gemma4_processing({"max_soft_tokens": 100})
+
+
+def test_convert_q_keeps_the_vision_side_in_float(gemma4_folder, tmp_path):
+    from fixtures.vision_images import two_images
+
+    from mlx_tfm import load
+    from mlx_tfm.convert.converter import convert
+    from mlx_tfm.generation.stream import generate
+
+    _, model, folder = gemma4_folder
+    convert(folder, tmp_path / "q4", quantize=True, q_group_size=32, log=lambda *_: None)
+    weights = mx.load(str(tmp_path / "q4" / "model.safetensors"))
+    vision = [n for n in weights if n.startswith(("vision_tower.", "embed_vision."))]
+    assert vision and not [n for n in vision if n.endswith(".scales")]
+    assert weights["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    quantized, processor = load(tmp_path / "q4")
+    inputs = cut_patches()
+    np.testing.assert_allclose(np.array(our_features(quantized, inputs)), np.array(our_features(model, inputs)),
+                               atol=1e-5, rtol=0)
+    assert isinstance(generate(quantized, processor, PROMPT, images=two_images(), max_tokens=3), str)
