@@ -15,7 +15,14 @@ import math
 
 from .common import COMMON_DROPS, Architecture, activation
 from .convolutions import LFM2_RENAMES, conv_weight_layout, lfm2_args
-from .vision import TOWER, VISION_PATHS, VISION_RENAMES, saved_layout, tower_args, unused_tower_tensors
+from .vision import (
+    TOWER,
+    VISION_PATHS,
+    VISION_RENAMES,
+    saved_layout,
+    tower_args,
+    unused_tower_tensors,
+)
 
 # transformers' Siglip2VisionConfig defaults for the keys a hub config leaves out
 SIGLIP2_TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,

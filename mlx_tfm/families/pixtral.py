@@ -18,8 +18,15 @@ from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import COMMON_DROPS, Architecture, activation
 from .more_decoders import mistral3_args
-from .vision import VISION_PATHS, VISION_RENAMES, llava_args, llava_feature_layers, saved_layout, text_args, \
-    unused_tower_tensors
+from .vision import (
+    VISION_PATHS,
+    VISION_RENAMES,
+    llava_args,
+    llava_feature_layers,
+    saved_layout,
+    text_args,
+    unused_tower_tensors,
+)
 
 # transformers' Mistral 3 defaults for the vision_config keys a hub config leaves out
 PIXTRAL_TOWER = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,

@@ -24,11 +24,11 @@ import mlx.nn as nn
 
 from .cache import CrossAttentionCache, KVCache
 from .config import ModelArgs
-from .heads import ClassificationHead, MaskedLMHead
-from .transformer import Model, TransformerModel
 from .gemma4_vision import Gemma4VisionLanguageModel
+from .heads import ClassificationHead, MaskedLMHead
 from .lfm2_vl_vision import Lfm2VlModel
 from .pixtral_vision import PixtralVisionLanguageModel
+from .transformer import Model, TransformerModel
 from .vision_language import VisionLanguageModel
 
 HEADS = ("none", "masked_lm", "classification")

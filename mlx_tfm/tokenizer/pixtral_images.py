@@ -20,7 +20,14 @@ import numpy as np
 from PIL import Image
 
 from ..errors import UserError
-from .images import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessing, load_image, normalized, resized
+from .images import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ImageProcessing,
+    load_image,
+    normalized,
+    resized,
+)
 
 PIXTRAL_PROCESSORS = ("PixtralImageProcessor",)
 

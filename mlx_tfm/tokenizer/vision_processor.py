@@ -16,9 +16,9 @@ import numpy as np
 from ..errors import UserError
 from ..jsonfile import read_json
 from . import Tokenizer
+from .gemma4_images import preprocess_gemma4_images, read_gemma4_processing
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
-from .gemma4_images import preprocess_gemma4_images, read_gemma4_processing
 from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)

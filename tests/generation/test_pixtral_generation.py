@@ -9,7 +9,11 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.pixtral_models import hf_pixtral_inputs, make_pixtral_model, save_processor_files
+from fixtures.pixtral_models import (
+    hf_pixtral_inputs,
+    make_pixtral_model,
+    save_processor_files,
+)
 from fixtures.vision_images import two_images
 
 from mlx_tfm import load
@@ -81,7 +85,7 @@ def test_the_image_flag(mistral3_folder, tmp_path):
 
 
 def test_convert_q_keeps_the_vision_side_in_float(mistral3_folder, tmp_path):
-    folder, hf = mistral3_folder
+    folder, _ = mistral3_folder
     result = run_cli("convert", "--hf-path", str(folder), "--mlx-path", str(tmp_path / "q4"), "-q",
                      "--q-group-size", "32")
     assert result.returncode == 0, result.stderr

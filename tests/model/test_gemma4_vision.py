@@ -7,7 +7,12 @@ full forward."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.gemma4_vision_models import GRIDS, IMAGE_TOKEN, cut_patches, make_gemma4_model
+from fixtures.gemma4_vision_models import (
+    GRIDS,
+    IMAGE_TOKEN,
+    cut_patches,
+    make_gemma4_model,
+)
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.loading import load_model
@@ -85,7 +90,10 @@ def test_pixel_values_and_positions_match_the_slow_processor():
     from fixtures.gemma4_vision_models import gemma4_image_processor
     from fixtures.vision_images import two_images
 
-    from mlx_tfm.tokenizer.gemma4_images import preprocess_gemma4_images, read_gemma4_processing
+    from mlx_tfm.tokenizer.gemma4_images import (
+        preprocess_gemma4_images,
+        read_gemma4_processing,
+    )
 
     reference = gemma4_image_processor()
     theirs = reference(two_images(), return_tensors="np")

@@ -95,7 +95,7 @@ def test_the_position_resize_is_torchs_antialiased_bilinear(out_size):
 def test_unshuffle_orders_each_block_row_offset_column_offset_channel():
     states = mx.arange(4 * 6 * 2).reshape(24, 2)  # a 4 x 6 grid of width 2: patch (r, c) holds 12r + 2c + [0, 1]
     block = np.array(unshuffle_patches(states, 4, 6, 2))[4]  # second block row, second block column
-    patch = lambda r, c: [12 * r + 2 * c, 12 * r + 2 * c + 1]  # noqa: E731
+    patch = lambda r, c: [12 * r + 2 * c, 12 * r + 2 * c + 1]
     assert block.tolist() == patch(2, 2) + patch(2, 3) + patch(3, 2) + patch(3, 3)
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from fixtures.pixtral_models import (
     IMAGE_TOKEN,
-    hf_pixtral_inputs,
     RESIZE_MULTIPLE,
+    hf_pixtral_inputs,
     make_pixtral_model,
     pixtral_image_processor,
     word_tokenizer,
@@ -21,7 +21,10 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.loading import load_model
 from mlx_tfm.model.pixtral_vision import axial_rope_angles, merge_patches
 from mlx_tfm.tokenizer.image_tokens import expand_image_placeholders, read_image_prompt
-from mlx_tfm.tokenizer.pixtral_images import preprocess_pixtral_images, read_pixtral_processing
+from mlx_tfm.tokenizer.pixtral_images import (
+    preprocess_pixtral_images,
+    read_pixtral_processing,
+)
 
 FAMILIES = ("mistral3", "llava")
 CONFIG = {"model_type": "mistral3", "vision_config": {"patch_size": 4}}  # merge 2: Mistral 3's default
@@ -59,7 +62,6 @@ def test_the_expanded_prompt_is_the_token_grid_of_each_image(pixtral):
     """PixtralProcessor's layout (it needs torchvision, so it is written out here as a
     list): per image ``rows`` lines of ``cols`` [IMG], each ended by [IMG_BREAK], the last
     by [IMG_END]; the [IMG] count per image is transformers' feature count for it."""
-    import torch
 
     family, hf, _ = pixtral
     tokenizer, inputs = word_tokenizer(), our_inputs(family)
