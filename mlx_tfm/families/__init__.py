@@ -27,14 +27,17 @@ from .decoders import DECODERS
 from .encoders import ENCODERS
 from .experts import MIXTURES
 from .gemma4 import GEMMA4
+from .gemma4_vision import GEMMA4_VISION_FAMILIES
 from .hybrids import HYBRIDS
 from .kimi import KIMI
 from .latent import LATENT
+from .lfm2_vl import LFM2_VL_FAMILIES
 from .llama4 import LLAMA4
 from .minimax import MINIMAX
 from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
+from .pixtral import PIXTRAL_FAMILIES
 from .qwen_vl import QWEN_VL
 from .state_space import STATE_SPACE
 from .vision import VISION_LANGUAGE
@@ -46,6 +49,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     **HYBRIDS, **STATE_SPACE, **CONVOLUTIONS, **LATENT, **KIMI, **MINIMAX,
     **VISION_LANGUAGE,  # image-text models (llava, idefics3, smolvlm, gemma3): after DECODERS' text-only gemma3
     **QWEN_VL,  # Qwen2-VL / Qwen2.5-VL: the language model (qwen_vl.py; the tower beside it)
+    **PIXTRAL_FAMILIES,  # mistral3 with its Pixtral tower: after MORE_DECODERS' text-only mistral3
+    **LFM2_VL_FAMILIES,  # LFM2-VL: LFM2 with SigLIP2's NaFlex tower
+    **GEMMA4_VISION_FAMILIES,  # gemma4 with its vision tower: after GEMMA4's text-only gemma4
 }
 
 

@@ -74,14 +74,6 @@ def check_takes_images(model, processor: Tokenizer) -> None:
         raise UserError("this model folder has no preprocessor_config.json, so its images cannot be prepared")
 
 
-def prepared_inputs(processor: Tokenizer, prompt: str, images: list) -> tuple[list[int], object, dict]:
-    """(token ids, pixel values, the tower's other inputs: Qwen's ``grid_thw``)."""
-    if isinstance(processor, QwenVisionProcessor):
-        return processor.prepare_inputs(prompt, images)
-    ids, pixel_values = processor.prepare(prompt, images)
-    return ids, pixel_values, {}
-
-
 def bind_images(model, processor: Tokenizer, prompt: str, images: list) -> tuple[ImageBoundModel, list[int]]:
     """(the model bound to ``images``' features, the prompt's token ids with each image's
     tokens in place). An image for a text-only model, or a prompt given as token ids, is a
@@ -89,7 +81,7 @@ def bind_images(model, processor: Tokenizer, prompt: str, images: list) -> tuple
     check_takes_images(model, processor)
     if not isinstance(prompt, str):
         raise UserError("a prompt with images must be text (its image placeholders are expanded into tokens)")
-    ids, pixel_values, image_inputs = prepared_inputs(processor, prompt, images)
+    ids, pixel_values, image_inputs = processor.prepare_inputs(prompt, images)
     context = model.args.max_position_embeddings
     if len(ids) >= context:
         raise UserError(f"the prompt with its {len(images)} image(s) takes {len(ids)} tokens and the context holds "

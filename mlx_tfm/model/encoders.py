@@ -24,7 +24,10 @@ import mlx.nn as nn
 
 from .cache import CrossAttentionCache, KVCache
 from .config import ModelArgs
+from .gemma4_vision import Gemma4VisionLanguageModel
 from .heads import ClassificationHead, MaskedLMHead
+from .lfm2_vl_vision import Lfm2VlModel
+from .pixtral_vision import PixtralVisionLanguageModel
 from .transformer import Model, TransformerModel
 from .vision_language import VisionLanguageModel
 
@@ -164,13 +167,21 @@ class BoundDecoder:
         return self.model.make_cache(max_kv_size, keep)
 
 
+# VisionArgs.tower_kind -> the image-text model class that builds that tower
+VISION_LANGUAGE_MODELS = {"vit": VisionLanguageModel, "pixtral": PixtralVisionLanguageModel,
+                          "siglip2_naflex": Lfm2VlModel, "gemma4": Gemma4VisionLanguageModel}
+
+
 def make_model(args: ModelArgs) -> nn.Module:
     """The model ``args.kind`` names: ``Model`` (decoder), ``EncoderModel`` or
     ``EncoderDecoderModel``."""
     if args.kind not in KINDS:
         raise ValueError(f"unknown kind {args.kind!r} ({', '.join(KINDS)})")
-    if args.vision is not None:  # a decoder reading images too
-        return VisionLanguageModel(args)
+    if args.vision is not None:  # a decoder reading images too, its tower by VisionArgs.tower_kind
+        kind = args.vision.get("tower_kind", "vit")
+        if kind not in VISION_LANGUAGE_MODELS:
+            raise ValueError(f"unknown vision tower kind {kind!r} ({', '.join(VISION_LANGUAGE_MODELS)})")
+        return VISION_LANGUAGE_MODELS[kind](args)
     if args.kind == "encoder":
         return EncoderModel(args)
     if args.kind == "encoder-decoder":

@@ -244,14 +244,16 @@ class TransformerModel(nn.Module):
 
     def __call__(self, inputs: mx.array, mask=None, cache=None, token_type_ids: mx.array | None = None,
                  cross: list[CrossAttentionCache] | None = None, input_embeddings: mx.array | None = None,
-                 positions: mx.array | None = None) -> mx.array:
+                 positions: mx.array | None = None, per_layer_input: mx.array | None = None) -> mx.array:
         """Token ids (B, L), or embedded inputs (B, L, D) when the stack does not own its
         embeddings, -> hidden states (B, L, D). Encoders (kind "encoder") attend both ways:
         ``mask`` is then their padding mask (B, 1, 1, S), True at tokens. ``cross``: one
         ``CrossAttentionCache`` per layer of an encoder-decoder's decoder. ``input_embeddings``
         (B, L, D): the embedded (and scaled) tokens to run instead of looking ``inputs`` up,
         as a vision-language model makes them (model/vision_language.py). ``positions``
-        (3, B, L): M-RoPE's explicit positions of the tokens (``mrope.py``)."""
+        (3, B, L): M-RoPE's explicit positions of the tokens (``mrope.py``). ``per_layer_input``
+        (B, L, n_layers, P): Gemma 4's per-layer inputs made by the caller (its image-text
+        model computes them from other ids and embeddings than the ones it runs)."""
         B, L = inputs.shape[:2]
         if input_embeddings is not None:
             h = input_embeddings
@@ -270,7 +272,9 @@ class TransformerModel(nn.Module):
             h = h + self.embed_token_types(types)
         if self.args.embedding_norm:
             h = self.embed_norm(h)
-        per_layer = per_layer_inputs(self, inputs, h) if self.args.hidden_size_per_layer_input else None
+        per_layer = per_layer_input
+        if per_layer is None and self.args.hidden_size_per_layer_input:
+            per_layer = per_layer_inputs(self, inputs, h)
         masks = self._stack_masks(mask, L, cache, h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
         if positions is not None:  # they ride to each attention layer with its cache (Qwen3.5's recurrent ones pass)
@@ -342,11 +346,13 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=args.lm_head_bias)
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,
-                 input_embeddings: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
-        """Token ids (B, L) -> logits (B, L, vocab_size); ``input_embeddings``: as
-        ``TransformerModel`` takes them; ``positions`` (3, B, L) for M-RoPE (``mrope.py``),
-        else each token's place after the cache's offset."""
-        return self.head(self.model(inputs, mask, cache, input_embeddings=input_embeddings, positions=positions))
+                 input_embeddings: mx.array | None = None, positions: mx.array | None = None,
+                 per_layer_input: mx.array | None = None) -> mx.array:
+        """Token ids (B, L) -> logits (B, L, vocab_size); ``input_embeddings`` and
+        ``per_layer_input``: as ``TransformerModel`` takes them; ``positions`` (3, B, L) for
+        M-RoPE (``mrope.py``), else each token's place after the cache's offset."""
+        return self.head(self.model(inputs, mask, cache, input_embeddings=input_embeddings, positions=positions,
+                                    per_layer_input=per_layer_input))
 
     def head(self, h: mx.array) -> mx.array:
         """Final hidden states (B, L, D) -> logits (B, L, vocab_size). Separate so that

@@ -38,6 +38,9 @@ class VisionArgs:
     image_attention: str = "causal"  # "bidirectional" (Gemma 3): one image's tokens see each other
     # -- Qwen's own tower (model/qwen_vision.py: its merger is the projector) --
     qwen_tower: dict | None = None  # QwenVisionArgs fields; None: the ViT of ``tower``
+    # -- towers other than the ViT above (Pixtral: model/pixtral_vision.py) --
+    tower_kind: str = "vit"  # which model class builds the tower and projector (model/encoders.py)
+    tower_fields: dict = field(default_factory=dict)  # that tower's own arguments (e.g. PixtralArgs)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "VisionArgs":

@@ -81,6 +81,10 @@ class Tokenizer:
         """The id of the vocabulary entry spelled ``token`` (as the vocabulary writes it), or None."""
         return self._backend.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id``, as the vocabulary spells it (special ones too)."""
+        return self._backend.id_to_token(int(token_id))
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens (BOS, EOS...) are skipped."""
         return self._backend.decode([int(i) for i in ids])

@@ -8,7 +8,11 @@ processors do:
   ``\\n<fake_token_around_image><global-img>``, the global view's tokens and a closing
   ``<fake_token_around_image>`` (one image that fits one tile: only the global part);
 - Gemma 3: ``<start_of_image>`` -> ``\\n\\n<start_of_image>``, ``mm_tokens_per_image`` soft
-  tokens ``<image_soft_token>``, ``<end_of_image>\\n\\n``.
+  tokens ``<image_soft_token>``, ``<end_of_image>\\n\\n``;
+- Mistral 3 (Pixtral): ``[IMG]`` -> the image's rows of ``[IMG]`` tokens, each row ended by
+  ``[IMG_BREAK]``, the last by ``[IMG_END]`` (pixtral_images.py; ``rows x cols`` its grid);
+- Gemma 4: its image token -> the begin token, one image token per soft token (``rows x
+  cols``, gemma4_images.py), the end token.
 """
 
 from __future__ import annotations
@@ -16,18 +20,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .pixtral_images import pixtral_image_text
 
-KINDS = ("llava", "idefics3", "gemma3")
+KINDS = ("llava", "idefics3", "gemma3", "pixtral", "gemma4")
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
     """How one family writes an image into its prompt (``read_image_prompt`` builds it)."""
 
-    kind: str  # "llava" | "idefics3" | "gemma3"
+    kind: str  # "llava" | "idefics3" | "gemma3" | "pixtral" | "gemma4"
     placeholder: str  # what the prompt holds once per image
     image_token: str  # the token whose embeddings the image features replace
     tokens_per_view: int  # image tokens per view (a tile or the whole image)
+    begin: str = ""  # "gemma4": the tokens around an image's own
+    end: str = ""
 
 
 def llava_tokens(crop: tuple[int, int], patch_size: int, extra_tokens: int, strategy: str) -> int:
@@ -53,11 +60,21 @@ def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
     if kind == "gemma3":
         count = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
         return ImagePrompt("gemma3", "<start_of_image>", "<image_soft_token>", count)
+    if kind == "pixtral":  # tokens per image: its own grid (rows x cols)
+        token = processor.get("image_token") or "[IMG]"
+        return ImagePrompt("pixtral", token, token, 0)
+    if kind == "gemma4":  # the token texts: read from the tokenizer by config.json's ids (vision_processor.py)
+        token = processor["image_token"]
+        return ImagePrompt("gemma4", token, token, 0, processor["boi_token"], processor["eoi_token"])
     raise UserError(f"unknown image prompt kind {kind!r} ({', '.join(KINDS)})")
 
 
 def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0) -> str:
     """The text one image's placeholder becomes (``rows x cols``: Idefics3's tile grid)."""
+    if prompt.kind == "pixtral":
+        return pixtral_image_text(prompt.image_token, rows, cols)
+    if prompt.kind == "gemma4":
+        return prompt.begin + prompt.image_token * (rows * cols) + prompt.end
     tokens = prompt.image_token * prompt.tokens_per_view
     if prompt.kind == "llava":
         return tokens

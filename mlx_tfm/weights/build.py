@@ -7,6 +7,7 @@ an error that names it. Each step is one function; ``build_model`` calls them in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,6 +76,16 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+# Where an image-text model's tower and projector tensors are named (ours)
+TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "embed_vision.")
+
+
+def language_model_alone(args: ModelArgs, named: dict) -> tuple[ModelArgs, dict]:
+    """An image-text checkpoint without its tower (mlx-lm's conversions drop it): the
+    language model alone, its tensors under the text-only model's names."""
+    return dataclasses.replace(args, vision=None), {name.removeprefix("language_model."): w for name, w in named.items()}
+
+
 def build_model(config: dict, weights: dict, source: Path | str, dtype: mx.Dtype | None = None) -> Model:
     """The model ``config`` describes, filled strictly with ``weights`` (a checkpoint in its
     on-disk layout); quantized layers where the checkpoint has quantized tensors. Lazy:
@@ -84,6 +95,8 @@ def build_model(config: dict, weights: dict, source: Path | str, dtype: mx.Dtype
     tensors by the head counts the arguments hold."""
     args = model_args(config, source)
     named = map_weights(config, args, weights)
+    if args.vision is not None and not any(name.startswith(TOWER_PREFIXES) for name in named):
+        args, named = language_model_alone(args, named)
     model = empty_model(args, source)
     quantize_layers(model, config, named, source)
     fill_strictly(model, named, dtype)
