@@ -50,6 +50,7 @@ from .gguf_families import (
     tokenizer_json_files,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
+from .gguf_more_families import MORE_FAMILY_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -531,6 +532,8 @@ GGUF_ARCHITECTURES = {
     "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),
     # -- gptneox, cohere2, command-r, llama4, gemma4, apertus, seed_oss, exaone4, stablelm (gguf_families.py) --
     **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
+    # -- gpt-oss, gpt2, starcoder, gptj... (gguf_more_families.py) --
+    **{arch: GGUFArchitecture(**fields) for arch, fields in MORE_FAMILY_ARCHITECTURES.items()},
 }
 
 

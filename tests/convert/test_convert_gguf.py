@@ -166,6 +166,8 @@ TINY_CASE_OF_GGUF_ARCH = {
     "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
+    # -- gguf_more_families.py --
+    "gpt-oss": "gpt_oss", "gpt2": "gpt2", "starcoder": "gpt_bigcode", "gptj": "gptj",
 }
 
 

@@ -1,0 +1,181 @@
+"""llama.cpp's GGUF files of gpt-oss, gpt2, starcoder, gptj, ... (mlx_tfm/convert/
+gguf_more_families.py): a tiny transformers model written as llama.cpp's converter
+(conversion/*.py) writes it, the family's set_gguf_parameters keys and modify_tensors,
+names from gguf's own TensorNameMap, converts to transformers' logits and greedy tokens."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures.convert_helpers import greedy, hf_greedy, hf_logits, make_hf_model
+from fixtures.gguf_names import byte_tokens
+
+import mlx_tfm
+from mlx_tfm.convert.converter import convert
+from mlx_tfm.errors import UserError
+from mlx_tfm.loading import load_model
+
+IDS = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
+QUIET = dict(log=lambda *_: None)
+
+
+def text_model_hparams(writer, config: dict) -> None:
+    """TextModel.set_gguf_parameters: the keys most families' files start from."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+
+
+def yarn_hparams(writer, rope: dict) -> None:
+    """TextModel's rope scaling keys for YaRN."""
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def gpt_oss_hparams(writer, config: dict) -> None:
+    """GptOssModel.set_gguf_parameters: the window, the experts' width and counts."""
+    text_model_hparams(writer, config)
+    yarn_hparams(writer, config["rope_parameters"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
+def gpt_oss_tensors(name: str, w: np.ndarray, config: dict):
+    """GptOssModel.modify_tensors: gate_up_proj (experts, D, 2F) transposed and split into
+    its even (gate) and odd (up) rows, its bias likewise; down_proj transposed; the sinks
+    named a weight."""
+    layer = name.split(".")[2] if ".layers." in name else None
+    if name.endswith("gate_up_proj"):
+        rows = np.swapaxes(w, -1, -2)  # (experts, 2F, D)
+        yield f"blk.{layer}.ffn_gate_exps.weight", rows[:, ::2]
+        yield f"blk.{layer}.ffn_up_exps.weight", rows[:, 1::2]
+    elif name.endswith("gate_up_proj_bias"):
+        yield f"blk.{layer}.ffn_gate_exps.bias", w[..., ::2]
+        yield f"blk.{layer}.ffn_up_exps.bias", w[..., 1::2]
+    elif name.endswith("down_proj"):
+        yield f"blk.{layer}.ffn_down_exps.weight", np.swapaxes(w, -1, -2)
+    elif name.endswith("down_proj_bias"):
+        yield f"blk.{layer}.ffn_down_exps.bias", w
+    else:
+        yield (name + ".weight" if name.endswith("sinks") else name), w
+
+
+def gpt2_hparams(writer, config: dict) -> None:
+    """GPT2Model / StarCoderModel / GPTJModel.set_gguf_parameters: 4 x hidden as the
+    feed-forward length, whatever the model's is."""
+    writer.add_block_count(config["n_layer"])
+    writer.add_context_length(config["n_positions"])
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    if config["model_type"] == "gpt_bigcode":
+        writer.add_head_count_kv(1 if config.get("multi_query", True) else config["n_head"])
+    if config["model_type"] == "gptj":
+        writer.add_head_count_kv(config["n_head"])
+        writer.add_rope_dimension_count(config["rotary_dim"])
+
+
+def gpt2_tensors(name: str, w: np.ndarray, config: dict):
+    """GPT2Model.modify_tensors: the Conv1D weights (in, out) transposed."""
+    if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+        w = w.T
+    yield name, w
+
+
+def unchanged_tensors(name: str, w: np.ndarray, config: dict):
+    yield name, w
+
+
+# llama.cpp architecture -> (hparams writer, modify_tensors)
+CONVERTERS = {
+    "gpt-oss": (gpt_oss_hparams, gpt_oss_tensors),
+    "gpt2": (gpt2_hparams, gpt2_tensors),
+    "starcoder": (gpt2_hparams, unchanged_tensors),
+    "gptj": (gpt2_hparams, unchanged_tensors),
+}
+
+
+def byte_vocab(writer) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(byte_tokens())
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32") -> None:
+    """The tiny model as llama.cpp's converter writes it; ``matrix_type`` Q8_0: matrices and
+    stacked experts whose rows fit its blocks as Q8_0."""
+    import gguf
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    hparams, modify_tensors = CONVERTERS[arch_name]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    hparams(writer, config)
+    byte_vocab(writer)
+    names = gguf.get_tensor_name_map(arch, config.get("num_hidden_layers") or config["n_layer"])
+    weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
+    for name, w in weights.items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        for hf, written in modify_tensors(name, w, config):
+            llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert llama_cpp is not None, hf
+            written = np.ascontiguousarray(written)
+            if matrix_type != "F32" and written.ndim in (2, 3) and written.shape[-1] % 32 == 0:
+                qtype = gguf.GGMLQuantizationType[matrix_type]
+                writer.add_tensor(llama_cpp, gguf.quants.quantize(written, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(llama_cpp, written)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# (TINY_CONFIGS case, llama.cpp architecture, overrides: what llama.cpp's runtime fixes)
+CASES = {
+    # llama.cpp's YaRN truncates the correction range (transformers' truncate true); an
+    # original context of 4 the prompt passes
+    "gpt_oss": ("gpt_oss", "gpt-oss", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0}}),
+    "gpt2": ("gpt2", "gpt2", {}),
+    # multi-query, an MLP half of 4 x hidden wide
+    "gpt_bigcode": ("gpt_bigcode", "starcoder", {}),
+    "gptj": ("gptj", "gptj", {}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_more_family_gguf_matches_transformers(name, tmp_path):
+    case, arch_name, overrides = CASES[name]
+    hf = make_hf_model(case, tmp_path / "hf", **overrides)
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", arch_name)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == hf.config.model_type
+    model, _ = load_model(tmp_path / "out")
+    ours = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
+    model, _ = mlx_tfm.load(tmp_path / "out")
+    assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
