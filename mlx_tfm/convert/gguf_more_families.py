@@ -21,9 +21,11 @@ converters did to the tensors, and how it is read back:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
-from .gguf_families import HEAD, layer_pairs
+from .gguf_families import ATTENTION, GATED_MLP, HEAD, drop_rope_freqs, exaone4_keys, layer_pairs, llama3_scaling_keys
 
 NamePair = tuple[str, str]
 
@@ -124,6 +126,131 @@ def as_written(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarra
     return {name: data}
 
 
+# -- mixtures: experts stacked (experts, out, in) as llama.cpp writes them ---------------------
+
+
+def stacked_experts(block: str) -> list[tuple[str, str]]:
+    """``ffn_{gate,up,down}_exps`` -> ``{block}.switch_mlp.*``, the families' stacked layout."""
+    return [(f"ffn_{p}_exps", f"{block}.switch_mlp.{p}_proj") for p in ("gate", "up", "down")]
+
+
+def shared_experts(prefix: str) -> list[tuple[str, str]]:
+    return [(f"ffn_{p}_shexp", f"{prefix}.{p}_proj") for p in ("gate", "up", "down")]
+
+
+QK_NORMS = [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")]
+PRE_NORMS = [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
+CHOICE_BIAS = (("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias"),)
+
+
+def expert_count_keys(get) -> dict:
+    return {"num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length") or 0) or None}
+
+
+# Phi-3.5-MoE: LayerNorms with biases, Mixtral's experts, biased attention and head
+PHIMOE_NAMES = HEAD + layer_pairs([*PRE_NORMS, *ATTENTION, ("ffn_gate_inp", "block_sparse_moe.gate"),
+                                   *stacked_experts("block_sparse_moe")])
+
+
+def phimoe_keys(get, base: dict, tensors: dict) -> dict:
+    """PhiMoeModel is Phi3MiniModel's keys (LayerNorm's eps as the RMS eps, a window of 0
+    for none) and the expert counts; the sparsemixer's jitter is no key (transformers'
+    default, Phi-3.5-MoE's own)."""
+    window = get("attention.sliding_window")
+    return {
+        "num_local_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "sliding_window": int(window) if window else None,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "lm_head_bias": "output.bias" in tensors,
+    }
+
+
+# EXAONE 3 / 3.5: Llama in GPT-2-style names; llama3 RoPE scaling as rope_freqs
+EXAONE_NAMES = (
+    ("token_embd.weight", "transformer.wte.weight"),
+    ("output_norm.{kind}", "transformer.ln_f.{kind}"),
+    ("output.{kind}", "lm_head.{kind}"),
+    ("rope_freqs.weight", "rope_freqs.weight"),
+) + layer_names("transformer.h", [
+    ("attn_norm", "ln_1"), ("ffn_norm", "ln_2"), ("attn_q", "attn.attention.q_proj"),
+    ("attn_k", "attn.attention.k_proj"), ("attn_v", "attn.attention.v_proj"),
+    ("attn_output", "attn.attention.out_proj"), ("ffn_gate", "mlp.c_fc_0"), ("ffn_up", "mlp.c_fc_1"),
+    ("ffn_down", "mlp.c_proj"),
+])
+
+
+def exaone_keys(get, base: dict, tensors: dict) -> dict:
+    return llama3_scaling_keys(base, tensors)
+
+
+# K-EXAONE (exaone-moe): EXAONE 4's attention in a pre-norm block, DeepSeek-V3's router,
+# the prediction layers appended (dropped)
+EXAONE_MOE_NAMES = HEAD + (("rope_freqs.weight", "rope_freqs.weight"),) + (
+    ("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.mlp.e_score_correction_bias"),
+) + layer_pairs([*PRE_NORMS, *ATTENTION, *QK_NORMS, *GATED_MLP, ("ffn_gate_inp", "mlp.gate"),
+                 *stacked_experts("mlp"), *shared_experts("mlp.shared_experts")])
+
+
+def deepseek_router_keys(get) -> dict:
+    """What dots1 and exaone-moe write of DeepSeek-V3's router (no groups: llama.cpp runs none)."""
+    return {
+        "n_shared_experts": int(get("expert_shared_count") or 0),
+        "first_k_dense_replace": int(get("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm") or False),
+        "n_group": 1, "topk_group": 1,
+        **expert_count_keys(get),
+    }
+
+
+def exaone_moe_keys(get, base: dict, tensors: dict) -> dict:
+    """ExaoneMoEModel: Exaone4Model's window and sliding layers, the router's keys, the
+    appended prediction layers counted in block_count."""
+    n_layers = base["num_hidden_layers"] - int(get("nextn_predict_layers") or 0)
+    router = deepseek_router_keys(get)
+    keys = {**exaone4_keys(get, {**base, "num_hidden_layers": n_layers}, tensors), **router,
+            "num_hidden_layers": n_layers, "num_experts": int(get("expert_count")),
+            "num_shared_experts": router["n_shared_experts"]}
+    return keys
+
+
+# dots.llm1: Qwen 3's attention, DeepSeek-V3's router, leading dense layers
+DOTS1_NAMES = HEAD + CHOICE_BIAS + layer_pairs([*PRE_NORMS, *ATTENTION, *QK_NORMS, *GATED_MLP,
+                                                ("ffn_gate_inp", "mlp.gate"), *stacked_experts("mlp"),
+                                                *shared_experts("mlp.shared_experts")])
+
+
+def dots1_keys(get, base: dict, tensors: dict) -> dict:
+    """Dots1Model writes Qwen2MoeModel's keys and the router's; no window (llama.cpp's dots1
+    attends fully everywhere)."""
+    return {"n_routed_experts": int(get("expert_count")), **deepseek_router_keys(get), "sliding_window": None}
+
+
+# HunYuan MoE: HunYuan dense's attention, experts on every layer beside an ungated shared MLP
+HUNYUAN_MOE_NAMES = HEAD + layer_pairs([*PRE_NORMS, *ATTENTION, *QK_NORMS, ("ffn_gate_inp", "mlp.gate.wg"),
+                                        *stacked_experts("mlp"), *shared_experts("mlp.shared_mlp")])
+
+
+def hunyuan_moe_keys(get, base: dict, tensors: dict) -> dict:
+    """HunYuanMoEModel folds NTK-alpha into the base it writes (no scaling type): a plain base."""
+    return {"num_experts": int(get("expert_count")), "moe_topk": int(get("expert_used_count")),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+
+
+def without_prediction_layers(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """The appended multi-token-prediction layers (past num_hidden_layers) and the RoPE
+    factors (in the config now) are no tensors of the model."""
+    match = LAYER_OF.match(name)
+    if name == "rope_freqs.weight" or (match and int(match.group(1)) >= config["num_hidden_layers"]):
+        return {}
+    return {name: data}
+
+
+LAYER_OF = re.compile(r"(?:blk|model\.layers)\.(\d+)\.")
+
+
 def standalone(model_type: str, hf_architecture: str, names, config, restore=None) -> dict:
     """A row whose config reader builds the family's whole config (no llama-shaped keys)."""
     return dict(model_type=model_type, hf_architecture=hf_architecture, names=names, config=config,
@@ -137,4 +264,12 @@ MORE_FAMILY_ARCHITECTURES = {
     "starcoder": standalone("gpt_bigcode", "GPTBigCodeForCausalLM", STARCODER_NAMES, starcoder_keys,
                             restore=as_written),
     "gptj": standalone("gptj", "GPTJForCausalLM", GPTJ_NAMES, gptj_keys),
+    "phimoe": dict(model_type="phimoe", hf_architecture="PhimoeForCausalLM", names=PHIMOE_NAMES, config=phimoe_keys),
+    "exaone": dict(model_type="exaone", hf_architecture="ExaoneForCausalLM", names=EXAONE_NAMES, config=exaone_keys,
+                   restore=drop_rope_freqs),
+    "exaone-moe": dict(model_type="exaone_moe", hf_architecture="ExaoneMoeForCausalLM", names=EXAONE_MOE_NAMES,
+                       config=exaone_moe_keys, restore=without_prediction_layers),
+    "dots1": dict(model_type="dots1", hf_architecture="Dots1ForCausalLM", names=DOTS1_NAMES, config=dots1_keys),
+    "hunyuan-moe": dict(model_type="hunyuan_v1_moe", hf_architecture="HunYuanMoEV1ForCausalLM",
+                        names=HUNYUAN_MOE_NAMES, config=hunyuan_moe_keys),
 }

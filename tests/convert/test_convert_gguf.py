@@ -167,7 +167,8 @@ TINY_CASE_OF_GGUF_ARCH = {
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
     # -- gguf_more_families.py --
-    "gpt-oss": "gpt_oss", "gpt2": "gpt2", "starcoder": "gpt_bigcode", "gptj": "gptj",
+    "gpt-oss": "gpt_oss", "gpt2": "gpt2", "starcoder": "gpt_bigcode", "gptj": "gptj", "phimoe": "phimoe",
+    "exaone": "exaone", "exaone-moe": "exaone_moe", "dots1": "dots1", "hunyuan-moe": "hunyuan_v1_moe",
 }
 
 

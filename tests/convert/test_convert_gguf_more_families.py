@@ -4,6 +4,7 @@ gguf_more_families.py): a tiny transformers model written as llama.cpp's convert
 names from gguf's own TensorNameMap, converts to transformers' logits and greedy tokens."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -102,12 +103,108 @@ def unchanged_tensors(name: str, w: np.ndarray, config: dict):
     yield name, w
 
 
+def phimoe_hparams(writer, config: dict) -> None:
+    """PhiMoeModel: Phi3MiniModel's keys (a window of 0 for none), then the expert counts."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    text_model_hparams(writer, {**config, "head_dim": None})
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_count(config["num_local_experts"])
+
+
+def exaone_hparams(writer, config: dict) -> None:
+    """ExaoneModel: TextModel's keys and the rotated dims of a head."""
+    text_model_hparams(writer, config)
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def router_hparams(writer, config: dict) -> None:
+    """What Dots1Model and ExaoneMoEModel write of DeepSeek-V3's router."""
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def exaone_moe_hparams(writer, config: dict) -> None:
+    """ExaoneMoEModel: Exaone4Model's window and sliding layers, the router's keys."""
+    import gguf
+
+    text_model_hparams(writer, config)
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+    writer.add_expert_count(config["num_experts"])
+    router_hparams(writer, config)
+    writer.add_expert_shared_count(config["num_shared_experts"])
+    writer.add_expert_shared_feed_forward_length(config["moe_intermediate_size"] * config["num_shared_experts"])
+    writer.add_nextn_predict_layers(0)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def dots1_hparams(writer, config: dict) -> None:
+    """Dots1Model: Qwen2MoeModel's keys, then the router's."""
+    text_model_hparams(writer, config)
+    writer.add_expert_count(config["n_routed_experts"])
+    router_hparams(writer, config)
+    writer.add_expert_shared_count(config["n_shared_experts"])
+
+
+def hunyuan_moe_hparams(writer, config: dict) -> None:
+    """HunYuanMoEModel: the experts' counts and widths, NTK-alpha folded into the base."""
+    import gguf
+
+    text_model_hparams(writer, config)
+    rope = config["rope_parameters"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["moe_topk"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_shared_count(1)
+
+
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+           "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def experts_stacked(name: str, w: np.ndarray, config: dict):
+    """The MoE converters' modify_tensors: each layer's experts stacked (experts, out, in)
+    once the last one is read; the choice bias named exp_probs_b."""
+    match = EXPERT.fullmatch(name)
+    if match is None:
+        if name.endswith("e_score_correction_bias"):
+            yield f"blk.{name.split('.')[2]}.exp_probs_b.bias", w
+        else:
+            yield name, w
+        return
+    layer, expert, projection = match.groups()
+    held = PENDING.setdefault((layer, projection), {})
+    held[int(expert)] = w
+    n_experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    if len(held) == n_experts:
+        yield f"blk.{layer}.{STACKED[projection]}.weight", np.stack([held[e] for e in range(n_experts)])
+        del PENDING[(layer, projection)]
+
+
+PENDING: dict = {}
+
+
 # llama.cpp architecture -> (hparams writer, modify_tensors)
 CONVERTERS = {
     "gpt-oss": (gpt_oss_hparams, gpt_oss_tensors),
     "gpt2": (gpt2_hparams, gpt2_tensors),
     "starcoder": (gpt2_hparams, unchanged_tensors),
     "gptj": (gpt2_hparams, unchanged_tensors),
+    "phimoe": (phimoe_hparams, experts_stacked),
+    "exaone": (exaone_hparams, unchanged_tensors),
+    "exaone-moe": (exaone_moe_hparams, experts_stacked),
+    "dots1": (dots1_hparams, experts_stacked),
+    "hunyuan-moe": (hunyuan_moe_hparams, experts_stacked),
 }
 
 
@@ -163,6 +260,14 @@ CASES = {
     # multi-query, an MLP half of 4 x hidden wide
     "gpt_bigcode": ("gpt_bigcode", "starcoder", {}),
     "gptj": ("gptj", "gptj", {}),
+    # sparsemixer routing at transformers' (and Phi-3.5-MoE's) jitter, which no key carries
+    "phimoe": ("phimoe", "phimoe", {"router_jitter_noise": 0.01}),
+    "exaone": ("exaone", "exaone", {}),
+    # llama.cpp's exaone-moe and dots1 route without expert groups (their files write none);
+    # its dots1 attends fully on every layer (no window key)
+    "exaone_moe": ("exaone_moe", "exaone-moe", {"n_group": 1, "topk_group": 1}),
+    "dots1": ("dots1", "dots1", {"n_group": 1, "topk_group": 1, "sliding_window": None, "layer_types": None}),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", "hunyuan-moe", {}),
 }
 
 
