@@ -586,7 +586,7 @@ def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
     except (TypeError, KeyError, ValueError) as e:
         raise UserError(f"GGUF metadata lacks what a {arch} model needs ({e})") from None
     scaling = rope_scaling(get)
-    if scaling:
+    if scaling and config.get("rope_scaling") is None:  # a family's own reading (mistral3's) wins
         config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:

@@ -239,6 +239,26 @@ def hunyuan_moe_keys(get, base: dict, tensors: dict) -> dict:
             "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
+# Ministral 3 (mistral3): a permuted Llama with YaRN and the queries scaled up with position
+
+
+def mistral3_keys(get, base: dict, tensors: dict) -> dict:
+    """Ministral3Model writes the checkpoint's mscale_all_dim as the YaRN log multiplier
+    as it is (DeepSeek's converter writes a tenth of it) and llama_4_scaling_beta as the
+    attention temperature scale; the checkpoints' mscale equals their mscale_all_dim."""
+    if get("rope.scaling.type") != "yarn":
+        return {}
+    log_mul = float(get("rope.scaling.yarn_log_multiplier") or 1.0)
+    scaling = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+               "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+               "mscale": log_mul, "mscale_all_dim": log_mul,
+               "llama_4_scaling_beta": float(get("attention.temperature_scale") or 0.0)}
+    for key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        if get(key) is not None:
+            scaling[hf_key] = float(get(key))
+    return {"rope_scaling": scaling}
+
+
 def without_prediction_layers(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
     """The appended multi-token-prediction layers (past num_hidden_layers) and the RoPE
     factors (in the config now) are no tensors of the model."""
@@ -270,6 +290,8 @@ MORE_FAMILY_ARCHITECTURES = {
     "exaone-moe": dict(model_type="exaone_moe", hf_architecture="ExaoneMoeForCausalLM", names=EXAONE_MOE_NAMES,
                        config=exaone_moe_keys, restore=without_prediction_layers),
     "dots1": dict(model_type="dots1", hf_architecture="Dots1ForCausalLM", names=DOTS1_NAMES, config=dots1_keys),
+    "mistral3": dict(model_type="ministral3", hf_architecture="Ministral3ForCausalLM", config=mistral3_keys,
+                     permuted_qk=True),
     "hunyuan-moe": dict(model_type="hunyuan_v1_moe", hf_architecture="HunYuanMoEV1ForCausalLM",
                         names=HUNYUAN_MOE_NAMES, config=hunyuan_moe_keys),
 }

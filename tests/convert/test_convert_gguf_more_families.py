@@ -9,7 +9,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import greedy, hf_greedy, hf_logits, make_hf_model
+from fixtures.convert_helpers import greedy, half_split_to_interleaved, hf_greedy, hf_logits, make_hf_model
 from fixtures.gguf_names import byte_tokens
 
 import mlx_tfm
@@ -167,6 +167,28 @@ def hunyuan_moe_hparams(writer, config: dict) -> None:
     writer.add_expert_shared_count(1)
 
 
+def mistral3_hparams(writer, config: dict) -> None:
+    """Ministral3Model: LlamaModel's keys, YaRN as TextModel writes it, the checkpoint's
+    mscale_all_dim as the log multiplier and llama_4_scaling_beta as the temperature scale."""
+    rope = config["rope_parameters"]
+    text_model_hparams(writer, config)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    yarn_hparams(writer, rope)
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+    writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+
+
+def permuted_tensors(name: str, w: np.ndarray, config: dict):
+    """LlamaModel.modify_tensors: q/k rows into llama.cpp's interleaved-RoPE order."""
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+        w = half_split_to_interleaved(w, heads)
+    yield name, w
+
+
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
@@ -205,6 +227,7 @@ CONVERTERS = {
     "exaone-moe": (exaone_moe_hparams, experts_stacked),
     "dots1": (dots1_hparams, experts_stacked),
     "hunyuan-moe": (hunyuan_moe_hparams, experts_stacked),
+    "mistral3": (mistral3_hparams, permuted_tensors),
 }
 
 
@@ -268,6 +291,8 @@ CASES = {
     "exaone_moe": ("exaone_moe", "exaone-moe", {"n_group": 1, "topk_group": 1}),
     "dots1": ("dots1", "dots1", {"n_group": 1, "topk_group": 1, "sliding_window": None, "layer_types": None}),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", "hunyuan-moe", {}),
+    # YaRN whose original context (4) the prompt passes: the queries' position scale grows
+    "ministral3": ("ministral3", "mistral3", {}),
 }
 
 
