@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files of still more families, under llama.cpp's architecture names:
-gpt-oss, gpt2, starcoder (StarCoder 1, gpt_bigcode), gptj, read back into the names their
-families load (``mlx_tfm.families``).
+gpt-oss, gpt2, starcoder (StarCoder 1, gpt_bigcode), gptj, phimoe, exaone, exaone-moe
+(K-EXAONE), dots1, hunyuan-moe, mistral3 (Ministral 3's text model), read back into the
+names their families load (``mlx_tfm.families``).
 
 Each row of ``MORE_FAMILY_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
 (``gguf_file.py`` builds them), as ``gguf_families.py``'s rows do. What llama.cpp's
@@ -17,6 +18,15 @@ converters did to the tensors, and how it is read back:
   StarCoder kept fused (its family splits it).
 - GPT-2, StarCoder and GPT-J converters write 4 x hidden as the feed-forward length
   whatever the model has: the up projection's shape tells.
+- the mixtures' experts are stacked (experts, out, in) per projection, the families'
+  ``switch_mlp`` layout; dots1's and exaone-moe's files write no expert groups, so
+  llama.cpp routes without them and so does the import; K-EXAONE's appended prediction
+  layers are dropped.
+- what a file cannot say is filled in as llama.cpp's runtime fixes it: gpt-oss's even
+  layers sliding, dots1 attending fully everywhere, Phi-3.5-MoE's sparsemixer jitter at
+  transformers' default; HunYuan's NTK-alpha is already folded into the written base.
+- mistral3's YaRN log multiplier is the checkpoint's ``mscale_all_dim`` as it is (DeepSeek's
+  converter writes a tenth of it), its temperature scale ``llama_4_scaling_beta``.
 """
 
 from __future__ import annotations
@@ -25,7 +35,15 @@ import re
 
 import numpy as np
 
-from .gguf_families import ATTENTION, GATED_MLP, HEAD, drop_rope_freqs, exaone4_keys, layer_pairs, llama3_scaling_keys
+from .gguf_families import (
+    ATTENTION,
+    GATED_MLP,
+    HEAD,
+    drop_rope_freqs,
+    exaone4_keys,
+    layer_pairs,
+    llama3_scaling_keys,
+)
 
 NamePair = tuple[str, str]
 

@@ -9,7 +9,13 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.convert_helpers import greedy, half_split_to_interleaved, hf_greedy, hf_logits, make_hf_model
+from fixtures.convert_helpers import (
+    greedy,
+    half_split_to_interleaved,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+)
 from fixtures.gguf_names import byte_tokens
 
 import mlx_tfm
@@ -261,7 +267,8 @@ def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32") -> Non
             llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert llama_cpp is not None, hf
             written = np.ascontiguousarray(written)
-            if matrix_type != "F32" and written.ndim in (2, 3) and written.shape[-1] % 32 == 0:
+            # llama.cpp quantizes weights only (gpt-oss's expert biases are matrices too)
+            if matrix_type != "F32" and written.ndim in (2, 3) and written.shape[-1] % 32 == 0 and hf.endswith("weight"):
                 qtype = gguf.GGMLQuantizationType[matrix_type]
                 writer.add_tensor(llama_cpp, gguf.quants.quantize(written, qtype), raw_dtype=qtype)
             else:
@@ -309,3 +316,57 @@ def test_more_family_gguf_matches_transformers(name, tmp_path):
     np.testing.assert_allclose(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
     model, _ = mlx_tfm.load(tmp_path / "out")
     assert greedy(model, IDS, 8) == hf_greedy(hf, IDS, 8)
+
+
+def test_architecture_this_runtime_cannot_map_is_one_line(tmp_path):
+    """llama.cpp's rwkv7 (no family here): a one-line error naming it, no folder written."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "rwkv7")
+    writer.add_block_count(1)
+    byte_vocab(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match=r"GGUF architecture 'rwkv7' is not supported \(supported: .*gpt-oss") as error:
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def dequantized_copy(source, path, arch_name: str) -> None:
+    """The same GGUF file with every tensor decoded to float32 by gguf's own decoder."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt2", "dots1"])
+def test_more_family_gguf_q8_0_blocks(name, tmp_path):
+    """Q8_0 matrices (gpt-oss's split experts, GPT-2's fused qkv in mlx-lm's layout, dots1's
+    stacked and shared experts) are carried over as 8-bit groups that compute what the
+    file's values decoded by gguf give."""
+    case, arch_name, overrides = CASES[name]
+    make_hf_model(case, tmp_path / "hf", **overrides)
+    write_gguf(tmp_path / "hf", tmp_path / "q8.gguf", arch_name, matrix_type="Q8_0")
+    dequantized_copy(tmp_path / "q8.gguf", tmp_path / "f32.gguf", arch_name)
+    logits = {}
+    for kind in ("q8", "f32"):
+        convert(tmp_path / f"{kind}.gguf", tmp_path / kind, dtype="float32", **QUIET)
+        model, _ = load_model(tmp_path / kind)
+        logits[kind] = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
+    np.testing.assert_allclose(logits["q8"], logits["f32"], atol=1e-4, rtol=0)
