@@ -494,6 +494,7 @@ class GGUFArchitecture:
     standalone: bool = False  # config builds the whole family config: no llama-shaped base
     # (metadata, config) -> {name: mx.array}: weights a converter wrote as metadata (Apertus's xIELU)
     metadata_tensors: Callable | None = None
+    own_expert_check: bool = False  # config checks the experts (nemotron_h_moe: only on its E layers, ungated)
 
 
 GGUF_ARCHITECTURES = {
@@ -960,7 +961,8 @@ def read_gguf(path: Path) -> Source:
     files = tokenizer_files(meta, path)
     tensors = {t.name: t for t in reader.tensors}
     config = hf_config(meta, tensors, arch)
-    check_experts(tensors, config, path)
+    if not GGUF_ARCHITECTURES[arch].own_expert_check:
+        check_experts(tensors, config, path)
     weights, quantization = read_tensors(reader, config, arch)
     if GGUF_ARCHITECTURES[arch].metadata_tensors is not None:
         weights.update(GGUF_ARCHITECTURES[arch].metadata_tensors(meta, config))

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files of still more families, under llama.cpp's architecture names:
 gpt-oss, gpt2, starcoder (StarCoder 1, gpt_bigcode), gptj, phimoe, exaone, exaone-moe
-(K-EXAONE), dots1, hunyuan-moe, mistral3 (Ministral 3's text model), read back into the
+(K-EXAONE), dots1, hunyuan-moe, mistral3 (Ministral 3's text model), nemotron_h_moe
+(Nemotron-H with experts layers), read back into the
 names their families load (``mlx_tfm.families``).
 
 Each row of ``MORE_FAMILY_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
@@ -25,6 +26,10 @@ converters did to the tensors, and how it is read back:
 - what a file cannot say is filled in as llama.cpp's runtime fixes it: gpt-oss's even
   layers sliding, dots1 attending fully everywhere, Phi-3.5-MoE's sparsemixer jitter at
   transformers' default; HunYuan's NTK-alpha is already folded into the written base.
+- nemotron_h_moe: Nemotron-H's Mamba-2 and attention layers as ``gguf_hybrids.py`` reads
+  them; its experts layers (told by their router) hold ungated up/down experts, checked here
+  (``own_expert_check``) rather than as gated ones; the experts' width is written as those
+  layers' feed_forward_length, so a dense MLP layer's width comes from its tensor.
 - mistral3's YaRN log multiplier is the checkpoint's ``mscale_all_dim`` as it is (DeepSeek's
   converter writes a tenth of it), its temperature scale ``llama_4_scaling_beta``.
 """
@@ -35,6 +40,7 @@ import re
 
 import numpy as np
 
+from ..errors import UserError
 from .gguf_families import (
     ATTENTION,
     GATED_MLP,
@@ -43,6 +49,12 @@ from .gguf_families import (
     exaone4_keys,
     layer_pairs,
     llama3_scaling_keys,
+)
+from .gguf_hybrids import (
+    NEMOTRON_H_NAMES,
+    layer_kinds,
+    mamba2_beside_attention_keys,
+    restore_nemotron_h,
 )
 
 NamePair = tuple[str, str]
@@ -55,7 +67,11 @@ def layer_names(prefix: str, pairs: list[tuple[str, str]]) -> tuple[NamePair, ..
 
 def up_width(tensors: dict) -> int:
     """The feed-forward width from ``blk.0.ffn_up`` (ggml order: in, out)."""
-    return int(tensors["blk.0.ffn_up.weight"].shape[1])
+    return up_width_of(tensors, 0)
+
+
+def up_width_of(tensors: dict, layer: int) -> int:
+    return int(tensors[f"blk.{layer}.ffn_up.weight"].shape[1])
 
 
 # -- gpt-oss: attention sinks, sliding layers, experts with biases ---------------------------
@@ -277,6 +293,61 @@ def mistral3_keys(get, base: dict, tensors: dict) -> dict:
     return {"rope_scaling": scaling}
 
 
+# Nemotron-H with experts (nemotron_h_moe): Nemotron-H's layers, and experts layers of
+# ungated squared-ReLU experts beside a shared expert, chosen by sigmoid scores and a bias
+
+NEMOTRON_H_MOE_NAMES = NEMOTRON_H_NAMES + (
+    ("blk.{layer}.exp_probs_b.bias", "backbone.layers.{layer}.mixer.gate.e_score_correction_bias"),
+) + layer_names("backbone.layers", [
+    ("ffn_gate_inp", "mixer.gate"), ("ffn_up_exps", "mixer.switch_mlp.fc1"), ("ffn_down_exps", "mixer.switch_mlp.fc2"),
+    ("ffn_up_shexp", "mixer.shared_experts.up_proj"), ("ffn_down_shexp", "mixer.shared_experts.down_proj"),
+])
+# Nemotron-H's pattern letters, the experts layers' (E) told by their router
+NEMOTRON_H_MOE_KINDS = {"M": "ssm_in.weight", "*": "attn_q.weight", "E": "ffn_gate_inp.weight", "-": "ffn_up.weight"}
+
+
+def nemotron_h_moe_keys(get, base: dict, tensors: dict) -> dict:
+    """NemotronHModel with experts writes the experts' width as feed_forward_length (0 off
+    the experts layers), so a dense MLP layer's width comes from its tensor; the router's
+    groups (all of them when the file names no used count), the latent size when it has one
+    (which the family names as unsupported)."""
+    n_layers = int(get("block_count"))
+    kinds = layer_kinds(tensors, n_layers, NEMOTRON_H_MOE_KINDS, "nemotron_h_moe")
+    check_ungated_experts(tensors, [i for i, kind in enumerate(kinds) if kind == "E"], int(get("expert_count")))
+    dense = [i for i, kind in enumerate(kinds) if kind == "-"]
+    n_group = int(get("expert_group_count") or 1)
+    eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon") or 1e-5
+    return {
+        **mamba2_beside_attention_keys(get, tensors, ""),
+        "hybrid_override_pattern": "".join(kinds),
+        "intermediate_size": up_width_of(tensors, dense[0]) if dense else int(get("expert_feed_forward_length")),
+        "layer_norm_epsilon": float(eps),
+        "use_bias": "blk.0.ssm_in.bias" in tensors,
+        "mlp_bias": any(n.endswith("ffn_up.bias") for n in tensors),
+        "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "moe_shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length") or 0),
+        "n_shared_experts": int(get("expert_shared_count") or 0),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "n_group": n_group,
+        "topk_group": int(get("expert_group_used_count") or n_group),
+        "moe_latent_size": get("moe_latent_size"),
+    }
+
+
+def check_ungated_experts(tensors: dict, layers: list[int], n_experts: int) -> None:
+    """Each experts layer holds its up and down experts stacked, as many as expert_count."""
+    for layer in layers:
+        for name in (f"blk.{layer}.ffn_up_exps.weight", f"blk.{layer}.ffn_down_exps.weight"):
+            if name not in tensors:
+                raise UserError(f"GGUF nemotron_h_moe file lacks {name} (layer {layer} routes to experts)")
+            held = tensors[name].data.shape[0]
+            if held != n_experts:
+                raise UserError(f"GGUF tensor {name} holds {held} experts, the metadata says {n_experts}")
+
+
 def without_prediction_layers(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
     """The appended multi-token-prediction layers (past num_hidden_layers) and the RoPE
     factors (in the config now) are no tensors of the model."""
@@ -310,6 +381,8 @@ MORE_FAMILY_ARCHITECTURES = {
     "dots1": dict(model_type="dots1", hf_architecture="Dots1ForCausalLM", names=DOTS1_NAMES, config=dots1_keys),
     "mistral3": dict(model_type="ministral3", hf_architecture="Ministral3ForCausalLM", config=mistral3_keys,
                      permuted_qk=True),
+    "nemotron_h_moe": {**standalone("nemotron_h", "NemotronHForCausalLM", NEMOTRON_H_MOE_NAMES, nemotron_h_moe_keys,
+                                    restore=restore_nemotron_h), "own_expert_check": True},
     "hunyuan-moe": dict(model_type="hunyuan_v1_moe", hf_architecture="HunYuanMoEV1ForCausalLM",
                         names=HUNYUAN_MOE_NAMES, config=hunyuan_moe_keys),
 }

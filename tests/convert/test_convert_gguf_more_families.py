@@ -195,7 +195,58 @@ def permuted_tensors(name: str, w: np.ndarray, config: dict):
     yield name, w
 
 
-EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+def nemotron_h_moe_hparams(writer, config: dict) -> None:
+    """NemotronHModel with experts (GraniteHybridModel's keys first): head_count_kv per
+    layer, the Mamba-2 widths, no RoPE, the experts' width as the experts layers'
+    feed_forward_length (0 elsewhere), the router's keys."""
+    kinds = config["layers_block_type"]
+    heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(len(kinds))
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if k == "full_attention" else 0 for k in kinds])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_state_size(config["ssm_state_size"])
+    writer.add_ssm_group_count(config["n_groups"])
+    writer.add_ssm_inner_size(heads * head_dim)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_feed_forward_length([config["moe_intermediate_size"] if k == "moe" else 0 for k in kinds])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_group_count(config["n_group"])
+
+
+def nemotron_h_moe_tensors(name: str, w: np.ndarray, config: dict):
+    """NemotronHModel.modify_tensors with experts: conv weights squeezed, A = -exp(A_log)
+    and D as (heads, 1), the gated norm per group, dt_bias a dt bias, q/k rows permuted
+    (LlamaModel's permute, GraniteHybridModel undoing its own), experts stacked."""
+    if name.endswith("conv1d.weight"):
+        w = w[:, 0, :]  # (channels, kernel)
+    elif name.endswith(".A_log"):
+        w = -np.exp(w)[:, None]  # (heads, 1)
+    elif name.endswith(".D"):
+        w = w[:, None]
+    elif name.endswith("mixer.norm.weight"):
+        w = w.reshape(config["n_groups"], -1)  # (groups, inner / groups)
+    elif name.endswith(("q_proj.weight", "k_proj.weight")):
+        w = next(permuted_tensors(name, w, config))[1]
+    elif name.endswith(".dt_bias"):
+        name = name.replace(".dt_bias", ".dt.bias")
+    yield from experts_stacked(name, w, config)
+
+
+EXPERT = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
@@ -214,7 +265,7 @@ def experts_stacked(name: str, w: np.ndarray, config: dict):
     held = PENDING.setdefault((layer, projection), {})
     held[int(expert)] = w
     n_experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
-    if len(held) == n_experts:
+    if len(held) == n_experts:  # the layer's last expert of this projection
         yield f"blk.{layer}.{STACKED[projection]}.weight", np.stack([held[e] for e in range(n_experts)])
         del PENDING[(layer, projection)]
 
@@ -234,6 +285,7 @@ CONVERTERS = {
     "dots1": (dots1_hparams, experts_stacked),
     "hunyuan-moe": (hunyuan_moe_hparams, experts_stacked),
     "mistral3": (mistral3_hparams, permuted_tensors),
+    "nemotron_h_moe": (nemotron_h_moe_hparams, nemotron_h_moe_tensors),
 }
 
 
@@ -247,9 +299,10 @@ def byte_vocab(writer) -> None:
     writer.add_eos_token_id(2)
 
 
-def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32") -> None:
+def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32", skip=(), more_hparams=None) -> None:
     """The tiny model as llama.cpp's converter writes it; ``matrix_type`` Q8_0: matrices and
-    stacked experts whose rows fit its blocks as Q8_0."""
+    stacked experts whose rows fit its blocks as Q8_0; the tensors named in ``skip`` left
+    out, ``more_hparams(writer)`` adding keys (error cases)."""
     import gguf
 
     config = json.loads((hf_folder / "config.json").read_text())
@@ -257,8 +310,11 @@ def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32") -> Non
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     writer = gguf.GGUFWriter(str(path), arch_name)
     hparams(writer, config)
+    if more_hparams:
+        more_hparams(writer)
     byte_vocab(writer)
-    names = gguf.get_tensor_name_map(arch, config.get("num_hidden_layers") or config["n_layer"])
+    n_layers = config.get("num_hidden_layers") or config.get("n_layer") or len(config["layers_block_type"])
+    names = gguf.get_tensor_name_map(arch, n_layers)
     weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
     for name, w in weights.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
@@ -266,6 +322,8 @@ def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32") -> Non
         for hf, written in modify_tensors(name, w, config):
             llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert llama_cpp is not None, hf
+            if llama_cpp in skip:
+                continue
             written = np.ascontiguousarray(written)
             # llama.cpp quantizes weights only (gpt-oss's expert biases are matrices too)
             if matrix_type != "F32" and written.ndim in (2, 3) and written.shape[-1] % 32 == 0 and hf.endswith("weight"):
@@ -300,6 +358,9 @@ CASES = {
     "hunyuan_v1_moe": ("hunyuan_v1_moe", "hunyuan-moe", {}),
     # YaRN whose original context (4) the prompt passes: the queries' position scale grows
     "ministral3": ("ministral3", "mistral3", {}),
+    # Mamba-2, experts, attention, a dense MLP, experts; one router group (llama.cpp's file
+    # writes the group count, not how many are used)
+    "nemotron_h_moe": ("nemotron_h_moe", "nemotron_h_moe", {"n_group": 1, "topk_group": 1}),
 }
 
 
@@ -334,6 +395,22 @@ def test_architecture_this_runtime_cannot_map_is_one_line(tmp_path):
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("skip, more_hparams, message", [
+    (("blk.1.ffn_up_exps.weight",), None,
+     r"GGUF nemotron_h_moe file lacks blk\.1\.ffn_up_exps\.weight \(layer 1 routes to experts\)"),
+    ((), lambda writer: writer.add_moe_latent_size(16), r"nemotron_h experts with moe_latent_size .* not supported"),
+])
+def test_nemotron_h_moe_gguf_errors_are_one_line(skip, more_hparams, message, tmp_path):
+    """An experts layer without its experts, and experts inside a latent projection (Nemotron
+    3 Super's, which the family lacks), are named."""
+    case, arch_name, overrides = CASES["nemotron_h_moe"]
+    make_hf_model(case, tmp_path / "hf", **overrides)
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", arch_name, skip=skip, more_hparams=more_hparams)
+    with pytest.raises(UserError, match=message) as error:
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert "\n" not in str(error.value)
 
 
 def dequantized_copy(source, path, arch_name: str) -> None:
