@@ -1,7 +1,7 @@
 """llama.cpp's GGUF files of still more families, under llama.cpp's architecture names:
 gpt-oss, gpt2, starcoder (StarCoder 1, gpt_bigcode), gptj, phimoe, exaone, exaone-moe
 (K-EXAONE), dots1, hunyuan-moe, mistral3 (Ministral 3's text model), nemotron_h_moe
-(Nemotron-H with experts layers), read back into the
+(Nemotron-H with experts layers), kimi-linear, read back into the
 names their families load (``mlx_tfm.families``).
 
 Each row of ``MORE_FAMILY_ARCHITECTURES`` holds the fields of one ``GGUFArchitecture``
@@ -30,6 +30,9 @@ converters did to the tensors, and how it is read back:
   them; its experts layers (told by their router) hold ungated up/down experts, checked here
   (``own_expert_check``) rather than as gated ones; the experts' width is written as those
   layers' feed_forward_length, so a dense MLP layer's width comes from its tensor.
+- kimi-linear: A = -exp(A_log) and the KDA convolutions (1, C, 1, K) put back; the MLA
+  layers' kv_b_proj split per head (attn_k_b, attn_v_b) as deepseek2's, read in the split
+  names the family takes; which layers are KDA the tensors tell (ssm_a).
 - mistral3's YaRN log multiplier is the checkpoint's ``mscale_all_dim`` as it is (DeepSeek's
   converter writes a tenth of it), its temperature scale ``llama_4_scaling_beta``.
 """
@@ -337,6 +340,73 @@ def nemotron_h_moe_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
+# Kimi Linear (kimi-linear): Kimi Delta Attention layers and MLA layers without positions,
+# DeepSeek-V3's router over Mixtral-named experts, the first layer(s) dense
+
+KIMI_LINEAR_NAMES = HEAD + (
+    ("blk.{layer}.ssm_a", "model.layers.{layer}.self_attn.A_log"),
+    ("blk.{layer}.ssm_dt.bias", "model.layers.{layer}.self_attn.dt_bias"),
+    ("blk.{layer}.exp_probs_b.bias", "model.layers.{layer}.block_sparse_moe.gate.e_score_correction_bias"),
+) + layer_pairs([
+    *PRE_NORMS, *ATTENTION, ("ssm_conv1d_q", "self_attn.q_conv1d"), ("ssm_conv1d_k", "self_attn.k_conv1d"),
+    ("ssm_conv1d_v", "self_attn.v_conv1d"), ("ssm_f_a", "self_attn.f_a_proj"), ("ssm_f_b", "self_attn.f_b_proj"),
+    ("ssm_beta", "self_attn.b_proj"), ("ssm_g_a", "self_attn.g_a_proj"), ("ssm_g_b", "self_attn.g_b_proj"),
+    ("ssm_norm", "self_attn.o_norm"),
+    ("attn_q_a", "self_attn.q_a_proj"), ("attn_q_b", "self_attn.q_b_proj"), ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"), ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+    # kv_b_proj whole, or split per head as deepseek2's: (H, R, nope) and (H, v, R)
+    ("attn_kv_b", "self_attn.kv_b_proj"), ("attn_k_b", "self_attn.embed_q"), ("attn_v_b", "self_attn.unembed_out"),
+    ("ffn_gate_inp", "block_sparse_moe.gate"), *stacked_experts("block_sparse_moe"),
+    *shared_experts("block_sparse_moe.shared_experts"),
+    ("ffn_gate", "block_sparse_moe.gate_proj"), ("ffn_up", "block_sparse_moe.up_proj"),
+    ("ffn_down", "block_sparse_moe.down_proj"),
+])
+
+
+def kimi_linear_keys(get, base: dict, tensors: dict) -> dict:
+    """KimiLinearModel writes head_count_kv per layer, 0 on the KDA layers and 1 on the MLA
+    ones (MLA as MQA), the KDA head width and convolution, DeepSeek-V3's MLA widths (the
+    cached latent's as key_length), the router's keys; no expert groups."""
+    n_layers = base["num_hidden_layers"]
+    kinds = layer_kinds(tensors, n_layers, {"linear_attention": "ssm_a", "full_attention": "attn_kv_a_mqa.weight"},
+                        "kimi-linear")
+    kda = kinds.index("linear_attention") if "linear_attention" in kinds else None
+    rope = int(get("rope.dimension_count"))
+    n_dense = int(get("leading_dense_block_count") or 0)
+    return {
+        "num_key_value_heads": base["num_attention_heads"],
+        "layer_types": kinds,
+        "linear_num_heads": int(np.prod(tensors[f"blk.{kda}.ssm_a"].shape)) if kda is not None else 1,
+        "linear_head_dim": int(get("kda.head_dim") or 128),
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel") or 4),
+        "q_lora_rank": int(get("attention.q_lora_rank") or 0) or None,
+        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(get("attention.key_length_mla")) - rope,
+        "v_head_dim": int(get("attention.value_length_mla")),
+        "head_dim": rope,  # transformers' KimiLinearConfig: the rotated part
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_token": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "num_shared_experts": int(get("expert_shared_count") or 0),
+        "first_k_dense_replace": n_dense,
+        "mlp_layer_types": ["dense" if i < n_dense else "sparse" for i in range(n_layers)],
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "moe_renormalize": bool(get("expert_weights_norm", True)),
+        "num_expert_group": 1, "topk_group": 1,
+    }
+
+
+def restore_kimi_linear(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """A = -exp(A_log) back to A_log; the KDA convolutions, written (1, C, 1, K), as the
+    checkpoint's (C, 1, K)."""
+    if name.endswith(".A_log"):
+        return {name: np.log(-np.asarray(data, dtype=np.float32))}
+    if name.endswith("_conv1d.weight"):
+        return {name: np.asarray(data).reshape(data.shape[1], 1, data.shape[-1])}  # (C, 1, K)
+    return {name: data}
+
+
 def check_ungated_experts(tensors: dict, layers: list[int], n_experts: int) -> None:
     """Each experts layer holds its up and down experts stacked, as many as expert_count."""
     for layer in layers:
@@ -383,6 +453,8 @@ MORE_FAMILY_ARCHITECTURES = {
                      permuted_qk=True),
     "nemotron_h_moe": {**standalone("nemotron_h", "NemotronHForCausalLM", NEMOTRON_H_MOE_NAMES, nemotron_h_moe_keys,
                                     restore=restore_nemotron_h), "own_expert_check": True},
+    "kimi-linear": dict(model_type="kimi_linear", hf_architecture="KimiLinearForCausalLM", names=KIMI_LINEAR_NAMES,
+                        config=kimi_linear_keys, restore=restore_kimi_linear),
     "hunyuan-moe": dict(model_type="hunyuan_v1_moe", hf_architecture="HunYuanMoEV1ForCausalLM",
                         names=HUNYUAN_MOE_NAMES, config=hunyuan_moe_keys),
 }

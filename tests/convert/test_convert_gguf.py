@@ -169,7 +169,7 @@ TINY_CASE_OF_GGUF_ARCH = {
     # -- gguf_more_families.py --
     "gpt-oss": "gpt_oss", "gpt2": "gpt2", "starcoder": "gpt_bigcode", "gptj": "gptj", "phimoe": "phimoe",
     "exaone": "exaone", "exaone-moe": "exaone_moe", "dots1": "dots1", "hunyuan-moe": "hunyuan_v1_moe",
-    "mistral3": "ministral3", "nemotron_h_moe": "nemotron_h_moe",
+    "mistral3": "ministral3", "nemotron_h_moe": "nemotron_h_moe", "kimi-linear": "kimi_linear",
 }
 
 

@@ -30,7 +30,7 @@ QUIET = dict(log=lambda *_: None)
 def text_model_hparams(writer, config: dict) -> None:
     """TextModel.set_gguf_parameters: the keys most families' files start from."""
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_context_length(config.get("max_position_embeddings") or config["model_max_length"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
@@ -246,6 +246,52 @@ def nemotron_h_moe_tensors(name: str, w: np.ndarray, config: dict):
     yield from experts_stacked(name, w, config)
 
 
+def kimi_linear_hparams(writer, config: dict) -> None:
+    """KimiLinearModel: TextModel's keys, head_count_kv per layer (0 on KDA layers, 1 on
+    the MLA ones: MLA as MQA), the KDA widths, the MLA widths, the router's keys."""
+    text_model_hparams(writer, {**config, "head_dim": None})
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_head_count_kv([1 if t == "full_attention" else 0 for t in config["layer_types"]])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_kda_head_dim(config["linear_head_dim"])
+    writer.add_kv_lora_rank(config["kv_lora_rank"])
+    writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+    writer.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    writer.add_key_length_mla(config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_token"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["num_shared_experts"])
+    writer.add_leading_dense_block_count(config["mlp_layer_types"].index("sparse"))
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+
+
+def kimi_linear_tensors(name: str, w: np.ndarray, config: dict):
+    """KimiLinearModel.modify_tensors: the KDA convolutions (C, 1, K) as (1, C, 1, K),
+    A = -exp(A_log), dt_bias a dt bias, kv_b_proj split per head into k_b (H, R, nope) and
+    v_b (H, v, R); the dense layer's MLP (the map has no name for it under
+    block_sparse_moe) as the dense FFN; experts stacked."""
+    layer = name.split(".")[2] if ".layers." in name else None
+    dense = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight", name)
+    if dense:
+        yield f"blk.{dense[1]}.ffn_{dense[2]}.weight", w
+        return
+    if name.endswith("_conv1d.weight"):
+        w = w.reshape(1, w.shape[0], 1, w.shape[-1])
+    elif name.endswith(".A_log"):
+        w = -np.exp(w)
+    elif name.endswith(".dt_bias"):
+        name = name.replace(".dt_bias", ".dt_proj.bias")
+    elif name.endswith("kv_b_proj.weight"):
+        nope, heads = config["qk_nope_head_dim"], config["num_attention_heads"]
+        per_head = w.reshape(heads, -1, w.shape[-1])  # (H, nope + v, R)
+        yield f"blk.{layer}.attn_k_b.weight", np.swapaxes(per_head[:, :nope], 1, 2)
+        yield f"blk.{layer}.attn_v_b.weight", per_head[:, nope:]
+        return
+    yield from experts_stacked(name, w, config)
+
+
 EXPERT = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
@@ -286,6 +332,7 @@ CONVERTERS = {
     "hunyuan-moe": (hunyuan_moe_hparams, experts_stacked),
     "mistral3": (mistral3_hparams, permuted_tensors),
     "nemotron_h_moe": (nemotron_h_moe_hparams, nemotron_h_moe_tensors),
+    "kimi-linear": (kimi_linear_hparams, kimi_linear_tensors),
 }
 
 
@@ -361,6 +408,8 @@ CASES = {
     # Mamba-2, experts, attention, a dense MLP, experts; one router group (llama.cpp's file
     # writes the group count, not how many are used)
     "nemotron_h_moe": ("nemotron_h_moe", "nemotron_h_moe", {"n_group": 1, "topk_group": 1}),
+    # KDA around an MLA layer, layer 0 dense; one router group (the file writes none)
+    "kimi_linear": ("kimi_linear", "kimi-linear", {"n_group": 1, "topk_group": 1}),
 }
 
 
