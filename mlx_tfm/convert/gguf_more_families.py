@@ -39,6 +39,7 @@ converters did to the tensors, and how it is read back:
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -407,6 +408,82 @@ def restore_kimi_linear(name: str, data: np.ndarray, config: dict) -> dict[str, 
     return {name: data}
 
 
+# BERT: the encoder's tensors in BertModel's names (llama.cpp drops the pooler and the
+# masked-LM head, so a file is the bare encoder); a WordPiece vocabulary in phantom spaces
+
+BERT_NAMES = (
+    ("token_embd.weight", "embeddings.word_embeddings.weight"),
+    ("token_types.weight", "embeddings.token_type_embeddings.weight"),
+    ("position_embd.weight", "embeddings.position_embeddings.weight"),
+    ("token_embd_norm.{kind}", "embeddings.LayerNorm.{kind}"),
+) + layer_names("encoder.layer", [
+    ("attn_q", "attention.self.query"), ("attn_k", "attention.self.key"), ("attn_v", "attention.self.value"),
+    ("attn_output", "attention.output.dense"), ("attn_output_norm", "attention.output.LayerNorm"),
+    ("ffn_up", "intermediate.dense"), ("ffn_down", "output.dense"), ("layer_output_norm", "output.LayerNorm"),
+])
+
+
+def bert_keys(get, base: dict, tensors: dict) -> dict:
+    """BertModel writes TextModel's keys and non-causal attention; the token types' count
+    is the token_types table's rows. A classifier's file lacks the pooler it reads."""
+    if "cls.output.weight" in tensors or "cls.weight" in tensors:
+        raise UserError("GGUF bert classifier heads are not supported (llama.cpp's converter drops the pooler; "
+                        "the encoder's hidden states are)")
+    return {
+        "hidden_size": int(get("embedding_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(get("attention.head_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "max_position_embeddings": int(get("context_length")),
+        "type_vocab_size": int(tensors["token_types.weight"].shape[1]) if "token_types.weight" in tensors else 1,
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-12)),
+        "hidden_act": "gelu",
+    }
+
+
+def wordpiece_piece(token: str, kind: int) -> str:
+    """llama.cpp's phantom-space piece back to WordPiece's: a word start "\u2581x" -> "x",
+    a continuation "x" -> "##x"; control tokens (type 3) as they are."""
+    if kind == 3:
+        return token
+    return token[1:] if token.startswith("\u2581") else "##" + token
+
+
+def bert_tokenizer(meta: dict) -> dict[str, bytes]:
+    """A BERT GGUF vocabulary (tokenizer model ``bert``) -> tokenizer.json: WordPiece over
+    lowercased, accent-stripped words split at whitespace and punctuation, as llama.cpp's
+    WPM tokenizer splits; [CLS] (the file's BOS) $A [SEP] around each text."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    pieces = [wordpiece_piece(t, k) for t, k in zip(tokens, types)]
+    special = {key: pieces[int(meta[f"tokenizer.ggml.{key}_token_id"])] for key in ("bos", "seperator", "unknown",
+                                                                                    "padding", "mask")
+               if f"tokenizer.ggml.{key}_token_id" in meta}
+    unk = special.get("unknown", "[UNK]")
+    tokenizer = Tokenizer(models.WordPiece(vocab={p: i for i, p in enumerate(pieces)}, unk_token=unk))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, types) if k == 3])
+    cls, sep = special.get("bos", "[CLS]"), special.get("seperator", "[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, pieces.index(cls)), (sep, pieces.index(sep))])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "cls_token": cls, "sep_token": sep, "unk_token": unk,
+              "pad_token": special.get("padding"), "mask_token": special.get("mask"), "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+
 def check_ungated_experts(tensors: dict, layers: list[int], n_experts: int) -> None:
     """Each experts layer holds its up and down experts stacked, as many as expert_count."""
     for layer in layers:
@@ -455,6 +532,7 @@ MORE_FAMILY_ARCHITECTURES = {
                                     restore=restore_nemotron_h), "own_expert_check": True},
     "kimi-linear": dict(model_type="kimi_linear", hf_architecture="KimiLinearForCausalLM", names=KIMI_LINEAR_NAMES,
                         config=kimi_linear_keys, restore=restore_kimi_linear),
+    "bert": standalone("bert", "BertModel", BERT_NAMES, bert_keys),
     "hunyuan-moe": dict(model_type="hunyuan_v1_moe", hf_architecture="HunYuanMoEV1ForCausalLM",
                         names=HUNYUAN_MOE_NAMES, config=hunyuan_moe_keys),
 }

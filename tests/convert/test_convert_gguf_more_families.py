@@ -292,6 +292,46 @@ def kimi_linear_tensors(name: str, w: np.ndarray, config: dict):
     yield from experts_stacked(name, w, config)
 
 
+def bert_hparams(writer, config: dict) -> None:
+    """BertModel.set_gguf_parameters: TextModel's keys, attention not causal."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+
+
+def bert_tensors(name: str, w: np.ndarray, config: dict):
+    """BertModel.filter_tensors: the pooler (and any masked-LM head) dropped."""
+    if not name.startswith(("pooler.", "cls.")) and name != "embeddings.position_ids":
+        yield name, w
+
+
+def wordpiece_vocab(folder):
+    """BertModel.set_vocab: the WordPiece pieces in phantom spaces (word starts "\u2581x",
+    continuations without "##"), the special tokens as control tokens; CLS as BOS."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(folder)
+    pieces = sorted(reference.vocab, key=reference.vocab.get)
+    control = set(reference.all_special_tokens)
+
+    def add_vocab(writer):
+        writer.add_tokenizer_model("bert")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([p if p in control else p[2:] if p.startswith("##") else "\u2581" + p for p in pieces])
+        writer.add_token_types([3 if p in control else 1 for p in pieces])
+        writer.add_token_type_count(2)
+        for add, token in ((writer.add_bos_token_id, "[CLS]"), (writer.add_sep_token_id, "[SEP]"),
+                           (writer.add_unk_token_id, "[UNK]"), (writer.add_pad_token_id, "[PAD]"),
+                           (writer.add_mask_token_id, "[MASK]")):
+            add(reference.vocab[token])
+
+    return add_vocab
+
+
 EXPERT = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
@@ -333,6 +373,7 @@ CONVERTERS = {
     "mistral3": (mistral3_hparams, permuted_tensors),
     "nemotron_h_moe": (nemotron_h_moe_hparams, nemotron_h_moe_tensors),
     "kimi-linear": (kimi_linear_hparams, kimi_linear_tensors),
+    "bert": (bert_hparams, bert_tensors),
 }
 
 
@@ -346,7 +387,8 @@ def byte_vocab(writer) -> None:
     writer.add_eos_token_id(2)
 
 
-def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32", skip=(), more_hparams=None) -> None:
+def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32", skip=(), more_hparams=None,
+               add_vocab=byte_vocab) -> None:
     """The tiny model as llama.cpp's converter writes it; ``matrix_type`` Q8_0: matrices and
     stacked experts whose rows fit its blocks as Q8_0; the tensors named in ``skip`` left
     out, ``more_hparams(writer)`` adding keys (error cases)."""
@@ -359,7 +401,7 @@ def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32", skip=(
     hparams(writer, config)
     if more_hparams:
         more_hparams(writer)
-    byte_vocab(writer)
+    add_vocab(writer)
     n_layers = config.get("num_hidden_layers") or config.get("n_layer") or len(config["layers_block_type"])
     names = gguf.get_tensor_name_map(arch, n_layers)
     weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
@@ -460,6 +502,54 @@ def test_nemotron_h_moe_gguf_errors_are_one_line(skip, more_hparams, message, tm
     with pytest.raises(UserError, match=message) as error:
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
     assert "\n" not in str(error.value)
+
+
+def test_bert_gguf_matches_transformers(tmp_path):
+    """A BERT GGUF (the encoder without pooler, a phantom-space WordPiece vocabulary) gives
+    transformers' hidden states over two segments, and its tokenizer splits text as
+    transformers' BertTokenizer over the same vocabulary."""
+    import torch
+    from fixtures.encoder_models import bert_with_tokenizer
+    from transformers import AutoTokenizer
+
+    hf = bert_with_tokenizer(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "bert", add_vocab=wordpiece_vocab(tmp_path / "hf"))
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    model, tokenizer = mlx_tfm.load(tmp_path / "out")
+    assert model.args.kind == "encoder" and model.args.head == "none"
+    reference = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ("The cat sat on the mat.", "Paris is the capital of France, a red sky?", "unknownword dogs!"):
+        assert tokenizer.encode(text) == reference.encode(text), text
+    ids = reference.encode("the cat sat on the mat", "paris is the capital of france")
+    types = reference("the cat sat on the mat", "paris is the capital of france")["token_type_ids"]
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).last_hidden_state.numpy()
+    ours = np.array(model(mx.array([ids]), mx.array([types])))
+    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_bert_gguf_names_are_the_inverse_and_cover_bert_model():
+    """Writing (gguf_name) undoes reading (hf_name) for every bert tensor llama.cpp names and
+    gives gguf's own TensorNameMap name; every tensor of a BertModel the map names is read."""
+    import gguf
+    import torch
+    from fixtures.encoder_models import TINY_ENCODERS
+    from fixtures.gguf_names import llama_cpp_tensor_names
+    from transformers import AutoConfig, AutoModel
+
+    from mlx_tfm.convert.gguf_file import gguf_name, hf_name
+
+    theirs = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, 4)
+    read = {name: hf for name in llama_cpp_tensor_names("bert") if (hf := hf_name(name, "bert")) != name}
+    for name, hf in read.items():
+        assert gguf_name(hf, "bert") == name
+        assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.for_model("bert", **TINY_ENCODERS["bert"]))
+    held = {re.sub(r"^blk\.\d+\.", "blk.1.", theirs.get_name(n, try_suffixes=(".weight", ".bias")))
+            for n in model.state_dict() if theirs.get_name(n, try_suffixes=(".weight", ".bias"))}
+    held = {n if n.endswith((".weight", ".bias")) else n + ".weight" for n in held}
+    assert held and not held - set(read), sorted(held - set(read))
 
 
 def dequantized_copy(source, path, arch_name: str) -> None:
