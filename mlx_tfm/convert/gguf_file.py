@@ -50,7 +50,7 @@ from .gguf_families import (
     tokenizer_json_files,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
-from .gguf_more_families import MORE_FAMILY_ARCHITECTURES, bert_tokenizer
+from .gguf_more_families import MORE_FAMILY_ARCHITECTURES, bert_tokenizer, unigram_tokenizer
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -946,9 +946,9 @@ def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
         return byte_level_bpe_tokenizer(meta, path)
     if model == "gemma4":
         return gemma4_tokenizer(meta)
-    if model == "bert":
-        return bert_tokenizer(meta)
-    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4, bert)")
+    if model in ("bert", "t5"):
+        return bert_tokenizer(meta) if model == "bert" else unigram_tokenizer(meta)
+    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4, bert, t5)")
 
 
 def read_gguf(path: Path) -> Source:

@@ -175,7 +175,7 @@ TINY_CASE_OF_GGUF_ARCH = {
 
 # the hybrids are checked in test_convert_gguf_hybrids.py and test_convert_gguf_qwen_next.py,
 # the encoders (no causal-LM model to name the tensors of) in test_convert_gguf_more_families.py
-ENCODER_ARCHS = {"bert"}
+ENCODER_ARCHS = {"bert", "t5"}
 
 
 @pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES) - set(QWEN_NEXT_ARCHITECTURES)

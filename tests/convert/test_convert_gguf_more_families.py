@@ -374,6 +374,7 @@ CONVERTERS = {
     "nemotron_h_moe": (nemotron_h_moe_hparams, nemotron_h_moe_tensors),
     "kimi-linear": (kimi_linear_hparams, kimi_linear_tensors),
     "bert": (bert_hparams, bert_tensors),
+    "t5": (lambda writer, config: t5_hparams(writer, config), lambda name, w, config: t5_tensors(name, w, config)),
 }
 
 
@@ -402,12 +403,14 @@ def write_gguf(hf_folder, path, arch_name: str, matrix_type: str = "F32", skip=(
     if more_hparams:
         more_hparams(writer)
     add_vocab(writer)
-    n_layers = config.get("num_hidden_layers") or config.get("n_layer") or len(config["layers_block_type"])
+    n_layers = (config.get("num_hidden_layers") or config.get("n_layer") or max(config.get("num_layers", 0), config.get(
+        "num_decoder_layers") or 0) or len(config["layers_block_type"]))
     names = gguf.get_tensor_name_map(arch, n_layers)
     weights = {name: np.array(t, dtype=np.float32) for name, t in mx.load(str(hf_folder / "model.safetensors")).items()}
     for name, w in weights.items():
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
+        embedding = next((weights[n] for n in ("model.embed_tokens.weight", "shared.weight") if n in weights), None)
+        if name == "lm_head.weight" and config.get("tie_word_embeddings") and np.array_equal(w, embedding):
+            continue  # a tied head is the embedding table
         for hf, written in modify_tensors(name, w, config):
             llama_cpp = hf if hf.startswith("blk.") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert llama_cpp is not None, hf
@@ -528,28 +531,127 @@ def test_bert_gguf_matches_transformers(tmp_path):
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
 
-def test_bert_gguf_names_are_the_inverse_and_cover_bert_model():
-    """Writing (gguf_name) undoes reading (hf_name) for every bert tensor llama.cpp names and
-    gives gguf's own TensorNameMap name; every tensor of a BertModel the map names is read."""
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_encoder_gguf_names_are_the_inverse_and_cover_the_model(arch):
+    """Writing (gguf_name) undoes reading (hf_name) for every tensor llama.cpp names in a
+    bert / t5 file and gives gguf's own TensorNameMap name; every tensor of the tiny
+    BertModel / T5ForConditionalGeneration the map names is read."""
     import gguf
     import torch
-    from fixtures.encoder_models import TINY_ENCODERS
+    from fixtures.encoder_models import TINY_ENCODERS, TINY_T5
     from fixtures.gguf_names import llama_cpp_tensor_names
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, T5ForConditionalGeneration
 
     from mlx_tfm.convert.gguf_file import gguf_name, hf_name
 
-    theirs = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, 4)
-    read = {name: hf for name in llama_cpp_tensor_names("bert") if (hf := hf_name(name, "bert")) != name}
+    theirs = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), 4)
+    read = {name: hf for name in llama_cpp_tensor_names(arch) if (hf := hf_name(name, arch)) != name}
     for name, hf in read.items():
-        assert gguf_name(hf, "bert") == name
+        assert gguf_name(hf, arch) == name
         assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) in (None, name), hf
     with torch.device("meta"):
-        model = AutoModel.from_config(AutoConfig.for_model("bert", **TINY_ENCODERS["bert"]))
-    held = {re.sub(r"^blk\.\d+\.", "blk.1.", theirs.get_name(n, try_suffixes=(".weight", ".bias")))
-            for n in model.state_dict() if theirs.get_name(n, try_suffixes=(".weight", ".bias"))}
+        model = (AutoModel.from_config(AutoConfig.for_model("bert", **TINY_ENCODERS["bert"])) if arch == "bert" else
+                 T5ForConditionalGeneration(AutoConfig.for_model("t5", **TINY_T5["relu-tied"][1])))
+    named = [theirs.get_name(n, try_suffixes=(".weight", ".bias")) for n in model.state_dict()]
+    held = {re.sub(r"^(enc\.|dec\.)?blk\.\d+\.", r"\1blk.1.", n) for n in named if n}
     held = {n if n.endswith((".weight", ".bias")) else n + ".weight" for n in held}
     assert held and not held - set(read), sorted(held - set(read))
+
+
+def t5_hparams(writer, config: dict) -> None:
+    """T5Model.set_gguf_parameters."""
+    writer.add_context_length(512)
+    writer.add_embedding_length(config["d_model"])
+    writer.add_feed_forward_length(config["d_ff"])
+    writer.add_block_count(config["num_layers"])
+    writer.add_decoder_block_count(config["num_decoder_layers"])
+    writer.add_head_count(config["num_heads"])
+    writer.add_key_length(config["d_kv"])
+    writer.add_value_length(config["d_kv"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_relative_attn_buckets_count(config["relative_attention_num_buckets"])
+    writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    writer.add_decoder_start_token_id(config["decoder_start_token_id"])
+
+
+def t5_tensors(name: str, w: np.ndarray, config: dict):
+    """T5Model.modify_tensors: one shared embedding table (the stacks' copies left out)."""
+    if name not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        yield name, w
+
+
+def small_byte_vocab(size: int):
+    def add_vocab(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")
+        writer.add_token_list(byte_tokens()[:size])
+        writer.add_token_types([1] * size)
+        writer.add_token_merges([])
+        writer.add_eos_token_id(1)
+    return add_vocab
+
+
+@pytest.mark.parametrize("kind", ["relu-tied", "gated-untied"])
+def test_t5_gguf_matches_transformers(kind, tmp_path):
+    """T5 v1.0 (ReLU, the head tied and rescaled) and v1.1 (gated GELU, its own head) GGUFs
+    give transformers' teacher-forced logits, the relative position buckets read from each
+    stack's first block (over a prompt longer than the buckets' exact range)."""
+    import torch
+    from fixtures.encoder_models import random_t5
+
+    # llama.cpp's buckets reach 128 positions; a deeper decoder than encoder
+    hf = random_t5(kind, tmp_path / "hf", num_decoder_layers=3, relative_attention_max_distance=128)
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "t5", add_vocab=small_byte_vocab(hf.config.vocab_size))
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    model, _ = load_model(tmp_path / "out")
+    ids = np.array([[5, 17, 60, 33, 9, 101, 64, 11, 3, 77, 19, 45, 8, 90, 14, 2, 1]])
+    decoder_ids = np.array([[0, 7, 30, 12, 99, 4]])
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids), decoder_input_ids=torch.tensor(decoder_ids)).logits.numpy()
+    ours = np.array(model(mx.array(ids), mx.array(decoder_ids)))
+    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+
+
+def unigram_vocab(folder):
+    """T5Model.set_vocab: the SentencePiece unigram model's pieces, scores and types, its
+    normalizer's flags and precompiled character map."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString((folder / "spiece.model").read_bytes())
+    processor = spm.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
+
+    def add_vocab(writer):
+        n = processor.vocab_size()
+        writer.add_tokenizer_model("t5")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([processor.id_to_piece(i) for i in range(n)])
+        writer.add_token_scores([processor.get_score(i) for i in range(n)])
+        writer.add_token_types([2 if processor.is_unknown(i) else 3 if processor.is_control(i) else 1 for i in range(n)])
+        writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+        writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+        writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+        writer.add_eos_token_id(processor.eos_id())
+        writer.add_unk_token_id(processor.unk_id())
+        writer.add_pad_token_id(processor.pad_id())
+
+    return add_vocab, processor
+
+
+def test_t5_gguf_vocabulary_tokenizes_as_its_sentencepiece_model(tmp_path):
+    """A T5 GGUF's unigram vocabulary (tokenizer model "t5") splits text as the
+    SentencePiece model it came from, its normalizer (NFKC map, extra spaces) included."""
+    from fixtures.encoder_models import T5_TEXTS, random_t5, t5_tokenizer
+
+    t5_tokenizer(tmp_path / "hf", extra_ids=0)
+    add_vocab, processor = unigram_vocab(tmp_path / "hf")
+    random_t5("relu-tied", tmp_path / "hf", vocab_size=processor.vocab_size())
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "t5", add_vocab=add_vocab)
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    _, tokenizer = mlx_tfm.load(tmp_path / "out")
+    for text in [*T5_TEXTS, "  the   cat\u00a0sat ① on ﬁne mats  "]:
+        assert tokenizer.encode(text, add_special_tokens=False) == processor.encode(text), text
 
 
 def dequantized_copy(source, path, arch_name: str) -> None:
