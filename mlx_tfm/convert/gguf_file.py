@@ -50,7 +50,11 @@ from .gguf_families import (
     tokenizer_json_files,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
-from .gguf_more_families import MORE_FAMILY_ARCHITECTURES, bert_tokenizer, unigram_tokenizer
+from .gguf_more_families import (
+    MORE_FAMILY_ARCHITECTURES,
+    bert_tokenizer,
+    unigram_tokenizer,
+)
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
