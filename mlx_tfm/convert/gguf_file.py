@@ -43,6 +43,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
+from .gguf_encoders import ENCODER_ARCHITECTURES, bert_tokenizer, unigram_tokenizer
 from .gguf_families import (
     FAMILY_ARCHITECTURES,
     gemma4_tokenizer,
@@ -50,11 +51,7 @@ from .gguf_families import (
     tokenizer_json_files,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
-from .gguf_more_families import (
-    MORE_FAMILY_ARCHITECTURES,
-    bert_tokenizer,
-    unigram_tokenizer,
-)
+from .gguf_more_families import MORE_FAMILY_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -539,6 +536,7 @@ GGUF_ARCHITECTURES = {
     **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
     # -- gpt-oss, gpt2, starcoder, gptj... (gguf_more_families.py) --
     **{arch: GGUFArchitecture(**fields) for arch, fields in MORE_FAMILY_ARCHITECTURES.items()},
+    **{arch: GGUFArchitecture(**fields) for arch, fields in ENCODER_ARCHITECTURES.items()},  # bert, t5
 }
 
 
