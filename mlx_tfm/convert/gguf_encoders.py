@@ -92,24 +92,30 @@ def bert_tokenizer(meta: dict) -> dict[str, bytes]:
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece()
-    tokenizer.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, types) if k == 3])
+    control = [AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, types) if k == 3]
+    tokenizer.add_special_tokens(control)
     cls, sep = special.get("bos", "[CLS]"), special.get("seperator", "[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
         special_tokens=[(cls, pieces.index(cls)), (sep, pieces.index(sep))])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "cls_token": cls, "sep_token": sep, "unk_token": unk,
-              "pad_token": special.get("padding"), "mask_token": special.get("mask"), "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": tokenizer.to_str().encode(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+              "pad_token": special.get("padding"), "mask_token": special.get("mask"),
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tokenizer.to_str().encode(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 # T5 (v1.0, v1.1, flan-t5, mT5): encoder and decoder blocks under enc. / dec., the relative
 # position buckets in each stack's first block; an ungated ReLU or a gated GELU feed-forward
 
 def t5_stack(prefix: str, stack: str, parts: list[tuple[str, str]]) -> tuple[NamePair, ...]:
-    return tuple((f"{prefix}.blk.{{layer}}.{g}.{{kind}}", f"{stack}.block.{{layer}}.layer.{h}.{{kind}}") for g, h in parts)
+    """``{prefix}.blk.N.{gguf}`` <-> ``{stack}.block.N.layer.{hf}`` (weight or bias) for each pair."""
+    return tuple((f"{prefix}.blk.{{layer}}.{g}.{{kind}}", f"{stack}.block.{{layer}}.layer.{h}.{{kind}}")
+                 for g, h in parts)
 
 
-T5_FEED_FORWARD = [("ffn_gate", "DenseReluDense.wi_0"), ("ffn_up", "DenseReluDense.wi"), ("ffn_down", "DenseReluDense.wo")]
+T5_FEED_FORWARD = [("ffn_gate", "DenseReluDense.wi_0"), ("ffn_up", "DenseReluDense.wi"),
+                   ("ffn_down", "DenseReluDense.wo")]
 T5_NAMES = (
     ("token_embd.weight", "shared.weight"),
     ("output.weight", "lm_head.weight"),
@@ -117,12 +123,15 @@ T5_NAMES = (
     ("dec.output_norm.weight", "decoder.final_layer_norm.weight"),
 ) + t5_stack("enc", "encoder", [
     ("attn_norm", "0.layer_norm"), ("attn_q", "0.SelfAttention.q"), ("attn_k", "0.SelfAttention.k"),
-    ("attn_v", "0.SelfAttention.v"), ("attn_o", "0.SelfAttention.o"), ("attn_rel_b", "0.SelfAttention.relative_attention_bias"),
+    ("attn_v", "0.SelfAttention.v"), ("attn_o", "0.SelfAttention.o"),
+    ("attn_rel_b", "0.SelfAttention.relative_attention_bias"),
     ("ffn_norm", "1.layer_norm"), *((g, "1." + h) for g, h in T5_FEED_FORWARD),
 ]) + t5_stack("dec", "decoder", [
     ("attn_norm", "0.layer_norm"), ("attn_q", "0.SelfAttention.q"), ("attn_k", "0.SelfAttention.k"),
-    ("attn_v", "0.SelfAttention.v"), ("attn_o", "0.SelfAttention.o"), ("attn_rel_b", "0.SelfAttention.relative_attention_bias"),
-    ("cross_attn_norm", "1.layer_norm"), ("cross_attn_q", "1.EncDecAttention.q"), ("cross_attn_k", "1.EncDecAttention.k"),
+    ("attn_v", "0.SelfAttention.v"), ("attn_o", "0.SelfAttention.o"),
+    ("attn_rel_b", "0.SelfAttention.relative_attention_bias"),
+    ("cross_attn_norm", "1.layer_norm"), ("cross_attn_q", "1.EncDecAttention.q"),
+    ("cross_attn_k", "1.EncDecAttention.k"),
     ("cross_attn_v", "1.EncDecAttention.v"), ("cross_attn_o", "1.EncDecAttention.o"),
     ("ffn_norm", "2.layer_norm"), *((g, "2." + h) for g, h in T5_FEED_FORWARD),
 ])
@@ -178,7 +187,8 @@ def unigram_tokenizer(meta: dict) -> dict[str, bytes]:
     normalizer.escape_whitespaces = True
     config = {"tokenizer_class": "T5Tokenizer", "eos_token": tokens[spec.eos_id], "unk_token": tokens[spec.unk_id],
               "pad_token": tokens[spec.pad_id] if spec.pad_id >= 0 else None, "extra_ids": 0}
-    return {"tokenizer.model": proto.SerializeToString(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    return {"tokenizer.model": proto.SerializeToString(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 def restore_t5(name: str, data: np.ndarray, config: dict) -> dict[str, np.ndarray]:

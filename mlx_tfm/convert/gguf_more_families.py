@@ -352,7 +352,8 @@ KIMI_LINEAR_NAMES = HEAD + (
     ("ssm_conv1d_v", "self_attn.v_conv1d"), ("ssm_f_a", "self_attn.f_a_proj"), ("ssm_f_b", "self_attn.f_b_proj"),
     ("ssm_beta", "self_attn.b_proj"), ("ssm_g_a", "self_attn.g_a_proj"), ("ssm_g_b", "self_attn.g_b_proj"),
     ("ssm_norm", "self_attn.o_norm"),
-    ("attn_q_a", "self_attn.q_a_proj"), ("attn_q_b", "self_attn.q_b_proj"), ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_a", "self_attn.q_a_proj"), ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"),
     ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"), ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
     # kv_b_proj whole, or split per head as deepseek2's: (H, R, nope) and (H, v, R)
     ("attn_kv_b", "self_attn.kv_b_proj"), ("attn_k_b", "self_attn.embed_q"), ("attn_v_b", "self_attn.unembed_out"),
