@@ -194,6 +194,9 @@ def phimoe_keys(get, base: dict, tensors: dict) -> dict:
     """PhiMoeModel is Phi3MiniModel's keys (LayerNorm's eps as the RMS eps, a window of 0
     for none) and the expert counts; the sparsemixer's jitter is no key (transformers'
     default, Phi-3.5-MoE's own)."""
+    if "rope_factors_long.weight" in tensors:
+        raise UserError("GGUF phimoe with LongRoPE factors (rope_factors_long / rope_factors_short) is not "
+                        "supported: this runtime has no LongRoPE scaling")
     window = get("attention.sliding_window")
     return {
         "num_local_experts": int(get("expert_count")),

@@ -654,6 +654,23 @@ def test_t5_gguf_vocabulary_tokenizes_as_its_sentencepiece_model(tmp_path):
         assert tokenizer.encode(text, add_special_tokens=False) == processor.encode(text), text
 
 
+def test_phimoe_gguf_with_longrope_factors_is_one_line(tmp_path):
+    """Phi-3.5-MoE's own files carry LongRoPE factors (Phi3MiniModel.generate_extra_tensors),
+    which this runtime cannot scale by: named, not a wrong model."""
+    case, arch_name, overrides = CASES["phimoe"]
+    make_hf_model(case, tmp_path / "hf", **overrides)
+    head_dim = 64 // 4
+
+    def factors(writer):
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.ones(head_dim // 2, np.float32))
+
+    write_gguf(tmp_path / "hf", tmp_path / "model.gguf", arch_name, more_hparams=factors)
+    with pytest.raises(UserError, match=r"GGUF phimoe with LongRoPE factors .* not supported") as error:
+        convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    assert "\n" not in str(error.value)
+
+
 def dequantized_copy(source, path, arch_name: str) -> None:
     """The same GGUF file with every tensor decoded to float32 by gguf's own decoder."""
     import gguf
