@@ -544,7 +544,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types MLX holds exactly: name -> bits (group size 32).
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
 # Types decoded to float with gguf's reference decoder.
-DECODED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DECODED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # MXFP4: gpt-oss's experts
 GROUP_SIZE = 32
 
 

@@ -671,6 +671,21 @@ def test_phimoe_gguf_with_longrope_factors_is_one_line(tmp_path):
     assert "\n" not in str(error.value)
 
 
+def test_gpt_oss_gguf_mxfp4_experts_decode_as_gguf_decodes_them(tmp_path):
+    """gpt-oss files hold their experts in MXFP4 blocks (GptOssModel.repack_mxfp4): decoded
+    to float, they compute what the file's values decoded by gguf give."""
+    case, arch_name, overrides = CASES["gpt_oss"]
+    make_hf_model(case, tmp_path / "hf", **overrides)
+    write_gguf(tmp_path / "hf", tmp_path / "mxfp4.gguf", arch_name, matrix_type="MXFP4")
+    dequantized_copy(tmp_path / "mxfp4.gguf", tmp_path / "f32.gguf", arch_name)
+    logits = {}
+    for kind in ("mxfp4", "f32"):
+        convert(tmp_path / f"{kind}.gguf", tmp_path / kind, dtype="float32", **QUIET)
+        model, _ = load_model(tmp_path / kind)
+        logits[kind] = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    np.testing.assert_allclose(logits["mxfp4"], logits["f32"], atol=1e-4, rtol=0)
+
+
 def dequantized_copy(source, path, arch_name: str) -> None:
     """The same GGUF file with every tensor decoded to float32 by gguf's own decoder."""
     import gguf
