@@ -43,6 +43,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
+from .gguf_encoders import ENCODER_ARCHITECTURES, bert_tokenizer, unigram_tokenizer
 from .gguf_families import (
     FAMILY_ARCHITECTURES,
     gemma4_tokenizer,
@@ -50,6 +51,7 @@ from .gguf_families import (
     tokenizer_json_files,
 )
 from .gguf_hybrids import HYBRID_ARCHITECTURES
+from .gguf_more_families import MORE_FAMILY_ARCHITECTURES
 from .gguf_qwen_next import QWEN_NEXT_ARCHITECTURES
 from .llama2c import interleaved_to_half_split
 from .sources import Source
@@ -493,6 +495,7 @@ class GGUFArchitecture:
     standalone: bool = False  # config builds the whole family config: no llama-shaped base
     # (metadata, config) -> {name: mx.array}: weights a converter wrote as metadata (Apertus's xIELU)
     metadata_tensors: Callable | None = None
+    own_expert_check: bool = False  # config checks the experts (nemotron_h_moe: only on its E layers, ungated)
 
 
 GGUF_ARCHITECTURES = {
@@ -531,6 +534,9 @@ GGUF_ARCHITECTURES = {
     "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ERNIE4_5_MOE_NAMES, ernie4_5_moe_keys),
     # -- gptneox, cohere2, command-r, llama4, gemma4, apertus, seed_oss, exaone4, stablelm (gguf_families.py) --
     **{arch: GGUFArchitecture(**fields) for arch, fields in FAMILY_ARCHITECTURES.items()},
+    # -- gpt-oss, gpt2, starcoder, gptj... (gguf_more_families.py) --
+    **{arch: GGUFArchitecture(**fields) for arch, fields in MORE_FAMILY_ARCHITECTURES.items()},
+    **{arch: GGUFArchitecture(**fields) for arch, fields in ENCODER_ARCHITECTURES.items()},  # bert, t5
 }
 
 
@@ -538,7 +544,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types MLX holds exactly: name -> bits (group size 32).
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
 # Types decoded to float with gguf's reference decoder.
-DECODED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DECODED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # MXFP4: gpt-oss's experts
 GROUP_SIZE = 32
 
 
@@ -583,7 +589,7 @@ def hf_config(meta: dict, tensors: dict, arch: str) -> dict:
     except (TypeError, KeyError, ValueError) as e:
         raise UserError(f"GGUF metadata lacks what a {arch} model needs ({e})") from None
     scaling = rope_scaling(get)
-    if scaling:
+    if scaling and config.get("rope_scaling") is None:  # a family's own reading (mistral3's) wins
         config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
@@ -942,7 +948,9 @@ def tokenizer_files(meta: dict, path: Path) -> dict[str, bytes]:
         return byte_level_bpe_tokenizer(meta, path)
     if model == "gemma4":
         return gemma4_tokenizer(meta)
-    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4)")
+    if model in ("bert", "t5"):
+        return bert_tokenizer(meta) if model == "bert" else unigram_tokenizer(meta)
+    raise UserError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: llama, gpt2, gemma4, bert, t5)")
 
 
 def read_gguf(path: Path) -> Source:
@@ -957,7 +965,8 @@ def read_gguf(path: Path) -> Source:
     files = tokenizer_files(meta, path)
     tensors = {t.name: t for t in reader.tensors}
     config = hf_config(meta, tensors, arch)
-    check_experts(tensors, config, path)
+    if not GGUF_ARCHITECTURES[arch].own_expert_check:
+        check_experts(tensors, config, path)
     weights, quantization = read_tensors(reader, config, arch)
     if GGUF_ARCHITECTURES[arch].metadata_tensors is not None:
         weights.update(GGUF_ARCHITECTURES[arch].metadata_tensors(meta, config))

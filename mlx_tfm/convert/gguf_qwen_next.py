@@ -16,7 +16,9 @@ Each row of ``QWEN_NEXT_ARCHITECTURES`` holds the fields of one ``GGUFArchitectu
   (value head j of key head h at h + j * key_heads) instead of grouped by key head
   (h * per_key + j): the v rows of ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``/``a``,
   ``A_log``, ``dt_bias``, the v channels of the convolution and ``out_proj``'s columns;
-- the experts are stacked (experts, out, in), mlx-lm's layout;
+- the experts are stacked (experts, out, in), mlx-lm's layout; newer converters fuse each
+  layer's gate and up experts (``ffn_gate_up_exps``, gate rows first), split here;
+- older Qwen3-Next files keep ``in_proj_qkvz`` whole (``ssm_in``), read in that name;
 - newer converters append the multi-token-prediction layers as further blocks
   (``nextn_predict_layers``): not part of the language model, they are left out.
 
@@ -44,11 +46,13 @@ QWEN_NEXT_NAMES = (
     ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
     ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
+    ("ssm_in", "linear_attn.in_proj_qkvz"),  # older qwen3next files: fused per key head, the family splits it
     ("ssm_ba", "linear_attn.in_proj_ba"), ("ssm_beta", "linear_attn.in_proj_b"), ("ssm_alpha", "linear_attn.in_proj_a"),
     ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_norm", "linear_attn.norm"), ("ssm_out", "linear_attn.out_proj"),
     ("ffn_gate_inp", "mlp.gate"), ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
     ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
     ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    ("ffn_gate_up_exps", "mlp.switch_mlp.gate_up_proj"),  # fused (experts, 2F, D): split on reading
     ("ffn_gate_exps", "mlp.switch_mlp.gate_proj"), ("ffn_up_exps", "mlp.switch_mlp.up_proj"),
     ("ffn_down_exps", "mlp.switch_mlp.down_proj"),
     ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),  # Qwen3.5's dense MLP
@@ -192,6 +196,13 @@ def ungrouped(name: str, data: np.ndarray, config: dict) -> np.ndarray:
     return data
 
 
+def split_gate_up(name: str, data: np.ndarray) -> dict[str, np.ndarray]:
+    """Fused experts (experts, 2F, D), gate rows first (raw quantized rows split alike) ->
+    the stacked gate and up projections."""
+    gate, up = np.split(data, 2, axis=1)  # each (experts, F, D)
+    return {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+
+
 def without_norm_shift(name: str, data: np.ndarray) -> np.ndarray:
     if not np.issubdtype(data.dtype, np.floating):
         raise UserError(f"GGUF norm {name} is not stored as float (llama.cpp keeps norms in F32)")
@@ -207,6 +218,8 @@ def restore_qwen_next(name: str, data: np.ndarray, config: dict) -> dict[str, np
     tiled = config["model_type"] != "qwen3_next" and config["linear_num_value_heads"] != config["linear_num_key_heads"]
     if tiled and ".linear_attn." in name:
         data = ungrouped(name, data, config)
+    if name.endswith(".switch_mlp.gate_up_proj.weight"):
+        return split_gate_up(name, data)
     if name.endswith(".A_log"):
         data = np.log(-np.asarray(data, dtype=np.float32))
     elif name.endswith("conv1d.weight") and data.ndim == 2:

@@ -166,11 +166,20 @@ TINY_CASE_OF_GGUF_ARCH = {
     "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
     # -- gguf_families.py --
     "gptneox": "gpt_neox", "cohere2": "cohere2", "llama4": "llama4_text", "gemma4": "gemma4_text", "apertus": "apertus",
+    # -- gguf_more_families.py --
+    "gpt-oss": "gpt_oss", "gpt2": "gpt2", "starcoder": "gpt_bigcode", "gptj": "gptj", "phimoe": "phimoe",
+    "exaone": "exaone", "exaone-moe": "exaone_moe", "dots1": "dots1", "hunyuan-moe": "hunyuan_v1_moe",
+    "mistral3": "ministral3", "nemotron_h_moe": "nemotron_h_moe", "kimi-linear": "kimi_linear",
 }
 
 
-# the hybrids are checked in test_convert_gguf_hybrids.py and test_convert_gguf_qwen_next.py
-@pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES) - set(QWEN_NEXT_ARCHITECTURES)))
+# the hybrids are checked in test_convert_gguf_hybrids.py and test_convert_gguf_qwen_next.py,
+# the encoders (no causal-LM model to name the tensors of) in test_convert_gguf_more_families.py
+ENCODER_ARCHS = {"bert", "t5"}
+
+
+@pytest.mark.parametrize("arch", sorted(set(GGUF_ARCHITECTURES) - set(HYBRID_ARCHITECTURES) - set(QWEN_NEXT_ARCHITECTURES)
+                                        - ENCODER_ARCHS))
 def test_gguf_names_are_the_inverse_of_hf_names_and_llama_cpps(arch):
     """Writing (gguf_name) undoes reading (hf_name) for every tensor llama.cpp names, and
     gives the name gguf's own TensorNameMap gives the Hugging Face name (where it has it);

@@ -328,3 +328,47 @@ def test_value_heads_not_whole_per_key_head_are_an_error(tmp_path, monkeypatch):
                "not a whole number per key head")
     with pytest.raises(UserError, match=message):
         convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+
+
+def older_qwen3next_layout(hf_folder):
+    """The layout older converters wrote (and newer ones' fused experts): each linear
+    attention layer's in_proj_qkvz whole as ssm_in, in place of attn_qkv and attn_gate, and
+    each layer's gate and up experts as one ffn_gate_up_exps (experts, 2F, D), gate rows first."""
+    weights = mx.load(str(hf_folder / "model.safetensors"))
+
+    def edit(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith(".attn_qkv.weight")]:
+            layer = name.split(".")[1]
+            del tensors[name], tensors[f"blk.{layer}.attn_gate.weight"]
+            qkvz = weights[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"]
+            tensors[f"blk.{layer}.ssm_in.weight"] = np.array(qkvz, dtype=np.float32)
+        for name in [n for n in tensors if n.endswith(".ffn_gate_exps.weight")]:
+            gate, up = tensors.pop(name), tensors.pop(name.replace("ffn_gate_exps", "ffn_up_exps"))
+            tensors[name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = np.concatenate([gate, up], axis=1)
+
+    return edit
+
+
+def test_older_qwen3next_layout_matches_transformers(tmp_path):
+    """Both layouts llama.cpp has written for qwen3next import: ssm_in (in_proj_qkvz whole)
+    and fused gate-up experts give transformers' logits."""
+    hf = make_hf_model("qwen3_next", tmp_path / "hf")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "model.gguf", edit=older_qwen3next_layout(tmp_path / "hf"))
+    assert {"blk.0.ssm_in.weight", "blk.0.ffn_gate_up_exps.weight"} <= {
+        t.name for t in __import__("gguf").GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    convert(tmp_path / "model.gguf", tmp_path / "out", **QUIET)
+    np.testing.assert_allclose(logits_of(tmp_path / "out", IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_older_qwen3next_layout_in_q8_0_blocks_equals_the_newer(tmp_path):
+    """Q8_0 blocks quantize each row alone: ssm_in's and the fused experts' rows, split on
+    reading, compute exactly what the newer layout's split tensors do."""
+    make_hf_model("qwen3_next", tmp_path / "hf")
+    blocks = ("ssm_in.weight", "attn_qkv.weight", "attn_gate.weight", "_exps.weight")
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "old.gguf", edit=older_qwen3next_layout(tmp_path / "hf"),
+                         q8_0=blocks)
+    write_qwen_next_gguf(tmp_path / "hf", tmp_path / "new.gguf", q8_0=blocks)
+    for kind in ("old", "new"):
+        convert(tmp_path / f"{kind}.gguf", tmp_path / kind, **QUIET)
+    assert json.loads((tmp_path / "old" / "config.json").read_text())["quantization"]["bits"] == 8
+    np.testing.assert_array_equal(logits_of(tmp_path / "old", IDS), logits_of(tmp_path / "new", IDS))
