@@ -38,13 +38,14 @@ class ImageBoundModel:
     def __call__(self, tokens: mx.array, mask=None, cache: list | None = None) -> mx.array:
         offset = cache[0].offset if cache is not None else 0
         positions = self.positions(offset, tokens.shape[1])
+        turned = {} if positions is None else {"positions": positions}  # only Qwen's models take M-RoPE positions
         if offset >= self.n_prompt:
-            return self.model(tokens, mask, cache, positions=positions)
+            return self.model(tokens, mask, cache, **turned)
         end = min(offset + tokens.shape[1], self.n_prompt)
         first, last = int(self.image_tokens_before[offset].item()), int(self.image_tokens_before[end].item())
         if first == last:
-            return self.model(tokens, mask, cache, positions=positions)
-        return self.model(tokens, mask, cache, image_features=self.features[first:last], positions=positions)
+            return self.model(tokens, mask, cache, **turned)
+        return self.model(tokens, mask, cache, image_features=self.features[first:last], **turned)
 
     def positions(self, offset: int, length: int) -> mx.array | None:
         """M-RoPE positions (3, 1, length) of the tokens from ``offset`` on: the prompt's
