@@ -1,0 +1,174 @@
+"""LoRA on images (mlx_tfm/training/image_data.py, image_loss.py): jsonl rows with images in
+OpenAI's and mlx-vlm's shapes, the loss on tiny random SmolVLM and LLaVA models from
+transformers, its gradients, the frozen tower, fuse, and the one-line refusals."""
+
+import base64
+import io
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from fixtures.vision_images import drawn_image, two_images
+from fixtures.vision_models import make_vision_model
+from fixtures.vision_processors import word_tokenizer
+from mlx.utils import tree_flatten
+
+from mlx_tfm import load
+from mlx_tfm.errors import UserError
+from mlx_tfm.model.lora import LoRALinear, apply_lora
+from mlx_tfm.training.finetune import FinetuneOptions, finetune, load_examples, unfreeze_vision
+from mlx_tfm.training.image_data import ImageBatches
+from mlx_tfm.training.image_loss import image_hidden_states, image_loss
+from mlx_tfm.training.trainer import TrainingArgs, batch_arrays, train
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+SETTINGS = {"smolvlm": {"image_seq_len": 4},
+            "llava": {"patch_size": 8, "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}}
+
+
+def image_text_folder(folder, family: str):
+    """A tiny random ``family`` model whose <image> token is the word tokenizer's, with a chat template."""
+    tokenizer = word_tokenizer()
+    key = {"llava": "image_token_index", "smolvlm": "image_token_id"}[family]
+    make_vision_model(family, folder, **{key: tokenizer.convert_tokens_to_ids("<image>")})
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps(SETTINGS[family]))
+    return folder
+
+
+@pytest.fixture(scope="module", params=["smolvlm", "llava"])
+def folder(request, tmp_path_factory):
+    return image_text_folder(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def write_rows(data, rows_by_split: dict) -> None:
+    data.mkdir(exist_ok=True)
+    for i, image in enumerate(two_images() + [drawn_image(40, 40, seed=3)]):
+        image.save(data / f"{i}.png")
+    for split, rows in rows_by_split.items():
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def openai_row(image: str, question: str, answer: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
+
+
+ROWS = [openai_row("0.png", "describe this picture", "a picture and that"),
+        {"image": "1.png", "question": "describe that", "answer": "this picture"},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "2.png"},
+                                                   {"type": "text", "text": "describe a picture"}]},
+                      {"role": "assistant", "content": "that and this"}]},
+        {"images": ["2.png"], "prompt": "describe", "caption": "a picture a picture"}]
+
+
+def examples(folder, data, split="train", mask_prompt=True):
+    model, processor = load(folder)
+    options = FinetuneOptions(model=str(folder), train=True, data=str(data), mask_prompt=mask_prompt)
+    return model, load_examples(options, split, processor, model)
+
+
+# -- the rows ---------------------------------------------------------------------------
+
+
+def test_the_row_shapes_encode_alike(folder, tmp_path):
+    """The same question about the same image, as OpenAI parts, a data URL, an image part
+    and mlx-vlm's image / question / answer, gives the same tokens and pixels."""
+    png = io.BytesIO()
+    two_images()[0].save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    image_part = {"messages": [{"role": "user", "content": [{"type": "image", "image": "0.png"},
+                                                            {"type": "text", "text": "describe this"}]},
+                               {"role": "assistant", "content": "a picture"}]}
+    rows = [openai_row("0.png", "describe this", "a picture"), openai_row(url, "describe this", "a picture"),
+            image_part, {"image": "0.png", "question": "describe this", "answer": "a picture"},
+            {"images": ["0.png"], "conversations": [{"from": "human", "value": "describe this"},
+                                                    {"from": "gpt", "value": "a picture"}]}]
+    write_rows(tmp_path, {"train": rows})
+    _, encoded = examples(folder, tmp_path)
+    for other in encoded[1:]:
+        assert other.tokens == encoded[0].tokens and other.prompt_length == encoded[0].prompt_length
+        np.testing.assert_array_equal(other.pixel_values, encoded[0].pixel_values)
+    answer = encoded[0].tokens[encoded[0].prompt_length:]
+    _, processor = load(folder)
+    assert processor.decode(answer).split() == ["a", "picture", "<eos>"] or answer[:2] == processor.encode(
+        "a picture", add_special_tokens=False)
+
+
+# -- the loss ---------------------------------------------------------------------------
+
+
+def reference_loss(model, tokens: np.ndarray, lengths: np.ndarray, pixels) -> float:
+    """Through the model's own forward (VisionLanguageModel.__call__, scatter_image_features)
+    and numpy's cross-entropy, row by row."""
+    total, count, used = 0.0, 0, 0
+    image_id = model.vision_args.image_token_id
+    features = model.encode_images(mx.array(pixels))  # (n_image_tokens of the batch, D)
+    for row, (prompt, length) in zip(tokens, lengths):
+        n_image = int((row[:length] == image_id).sum())
+        mine, used = features[used:used + n_image], used + n_image
+        logits = np.array(model(mx.array(row[None, :length - 1]), image_features=mine)[0]).astype(np.float64)
+        for t in range(max(prompt, 1) - 1, length - 1):
+            target = row[t + 1]
+            if target == image_id:
+                continue
+            log_z = np.log(np.exp(logits[t] - logits[t].max()).sum()) + logits[t].max()
+            total += log_z - logits[t, target]
+            count += 1
+    return total / count
+
+
+def test_the_loss_is_the_models_forward_scored(folder, tmp_path):
+    write_rows(tmp_path, {"train": ROWS})
+    model, encoded = examples(folder, tmp_path)
+    batch = ImageBatches(encoded, batch_size=4).evaluation(1)[0]
+    value, ntoks = image_loss(model, *batch_arrays(batch))
+    expected = reference_loss(model, batch.tokens, batch.lengths, batch.pixel_values)
+    assert value.item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_gradients_of_a_batch_are_the_sum_over_its_rows(folder, tmp_path):
+    """The batch's summed loss (mean x count) has the gradient of its rows' summed losses:
+    padding, and each row's images finding its own image tokens, change nothing. One
+    projector weight's gradient also equals a central finite difference."""
+    write_rows(tmp_path, {"train": ROWS})
+    model, encoded = examples(folder, tmp_path, mask_prompt=False)
+    apply_lora(model, num_layers=-1, rank=4, scale=2.0)
+    unfreeze_vision(model, tower=False)
+    for _, lora in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        # B starts at zero: a random one makes A's gradient depend on it too
+        lora.lora_b = mx.random.normal(lora.lora_b.shape) * 0.05
+
+    def summed(m, *arrays):
+        value, ntoks = image_loss(m, *arrays)
+        return value * ntoks
+
+    grad = nn.value_and_grad(model, summed)
+    batches = ImageBatches(encoded, batch_size=4)
+    whole_value, whole = grad(model, *batch_arrays(batches.evaluation(1)[0]))
+    rows = [ImageBatches([e], batch_size=1).evaluation(1)[0] for e in encoded]
+    parts = [grad(model, *batch_arrays(b)) for b in rows]
+    assert whole_value.item() == pytest.approx(sum(v.item() for v, _ in parts), rel=1e-5)
+    flat = [dict(tree_flatten(g)) for _, g in parts]
+    for name, g in tree_flatten(whole):
+        np.testing.assert_allclose(np.array(g), sum(np.array(f[name]) for f in flat), rtol=1e-4, atol=1e-4)
+    weight_name = next(n for n, _ in tree_flatten(whole) if n.startswith("multi_modal_projector"))
+    check_finite_difference(model, summed, batches.evaluation(1)[0], weight_name, dict(tree_flatten(whole))[weight_name])
+
+
+def check_finite_difference(model, summed, batch, name: str, gradient: mx.array) -> None:
+    weights = dict(tree_flatten(model.parameters()))
+    original = np.array(weights[name])
+    index = np.unravel_index(np.argmax(np.abs(np.array(gradient))), original.shape)
+    values = []
+    for step in (1e-2, -1e-2):
+        shifted = original.copy()
+        shifted[index] += step
+        model.load_weights([(name, mx.array(shifted))], strict=False)
+        values.append(summed(model, *batch_arrays(batch)).item())
+    model.load_weights([(name, mx.array(original))], strict=False)
+    assert (values[0] - values[1]) / 2e-2 == pytest.approx(np.array(gradient)[index], rel=2e-2)
