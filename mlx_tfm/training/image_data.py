@@ -199,7 +199,10 @@ def encode_any_row(record: dict, processor, folder: Path, where: str) -> ImageEx
     from ..datasets import encode_record
 
     mlx_vlm_shaped = any(key in record for key in ("conversations", "question", "answer", "caption"))
-    if row_has_images(record) or mlx_vlm_shaped:
+    messages = record.get("messages")
+    has_parts = isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                                   for m in messages)
+    if row_has_images(record) or mlx_vlm_shaped or has_parts:
         return encode_image_row(record, processor, folder, where)
     tokens, prompt_length = encode_record(record, processor, where)
     return ImageExample(tokens, prompt_length, None)
