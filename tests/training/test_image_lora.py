@@ -121,9 +121,11 @@ def reference_loss(model, tokens: np.ndarray, lengths: np.ndarray, pixels) -> fl
     return total / count
 
 
-def test_the_loss_is_the_models_forward_scored(folder, tmp_path):
+@pytest.mark.parametrize("mask_prompt", [True, False])
+def test_the_loss_is_the_models_forward_scored(folder, tmp_path, mask_prompt):
+    """Without --mask-prompt the prompt's text counts too, never its image tokens."""
     write_rows(tmp_path, {"train": ROWS})
-    model, encoded = examples(folder, tmp_path)
+    model, encoded = examples(folder, tmp_path, mask_prompt=mask_prompt)
     batch = ImageBatches(encoded, batch_size=4).evaluation(1)[0]
     value, ntoks = image_loss(model, *batch_arrays(batch))
     expected = reference_loss(model, batch.tokens, batch.lengths, batch.pixel_values)
