@@ -294,3 +294,17 @@ def test_a_cut_through_an_images_tokens_is_refused(folder, tmp_path):
 def test_train_vision_on_a_text_model_is_refused(stories_hf, tmp_path):
     write_rows(tmp_path, {"train": [{"text": "Once upon a time"}], "valid": [{"text": "Once"}]})
     assert "has no vision tower" in refusal(stories_hf, tmp_path, train_vision=True)
+
+
+def test_the_vision_flags_reach_the_options():
+    import argparse
+
+    from mlx_tfm.cli import lora
+
+    parser = argparse.ArgumentParser()
+    lora.add_arguments(parser)
+    flags = vars(parser.parse_args(["--model", "m", "--train", "--train-vision", "--train-projector"]))
+    options = lora.options_from({k: v for k, v in flags.items() if k != "config"}, None)
+    assert options.train_vision and options.train_projector
+    plain = vars(parser.parse_args(["--model", "m", "--train"]))
+    assert not lora.options_from({k: v for k, v in plain.items() if k != "config"}, None).train_vision
