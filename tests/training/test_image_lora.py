@@ -25,14 +25,14 @@ from mlx_tfm.training.trainer import TrainingArgs, batch_arrays, train
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
-SETTINGS = {"smolvlm": {"image_seq_len": 4},
+SETTINGS = {"smolvlm": {"image_seq_len": 4}, "idefics3": {"image_seq_len": 4},
             "llava": {"patch_size": 8, "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}}
 
 
 def image_text_folder(folder, family: str):
     """A tiny random ``family`` model whose <image> token is the word tokenizer's, with a chat template."""
     tokenizer = word_tokenizer()
-    key = {"llava": "image_token_index", "smolvlm": "image_token_id"}[family]
+    key = {"llava": "image_token_index", "smolvlm": "image_token_id", "idefics3": "image_token_id"}[family]
     make_vision_model(family, folder, **{key: tokenizer.convert_tokens_to_ids("<image>")})
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
