@@ -140,8 +140,8 @@ def unused_tower_tensors(weights: dict, args: ModelArgs) -> dict:
         return vision.get("final_norm", True) or not name.startswith("vision_tower.encoder.norm.")
 
     kept = channels_first_patches({name: tensor for name, tensor in weights.items() if used(name)}, args)
-    if args.tie_word_embeddings:
-        kept.pop("language_model.lm_head.weight", None)
+    if args.tie_word_embeddings:  # mlx-vlm's -q writes a tied head's copy quantized: scales, biases too
+        kept = {name: tensor for name, tensor in kept.items() if not name.startswith("language_model.lm_head.")}
     return kept
 
 

@@ -138,3 +138,27 @@ def test_our_folders_load_in_mlx_vlm(family_folder, tmp_path):
     ids, pixels = prompt_inputs(tmp_path / "ours", family)
     np.testing.assert_allclose(mlx_vlm_logits(tmp_path / "ours", family, ids, pixels),
                                our_logits(tmp_path / "ours", ids, pixels), atol=1e-4, rtol=0)
+
+
+# mlx-vlm 0.7.10 fills a tied Gemma 3 head from embed_tokens.weight alone, without its
+# scales, so a quantized folder without a copy of the head (ours) fails its shape check.
+MLX_VLM_CANNOT_READ_Q4 = {"gemma3"}
+
+
+def test_4_bit_folders_load_both_ways(family_folder, tmp_path):
+    """mlx-vlm's -q folder (the language model in 4 bits, the tower in float) here, and ours
+    in mlx-vlm: the same quantized weights give the same logits."""
+    from mlx_tfm.convert.converter import convert
+
+    family, source = family_folder
+    theirs = mlx_vlm_convert(source, tmp_path / "mlx-vlm-q4", quantize=True, q_group_size=32)
+    ids, pixels = prompt_inputs(theirs, family)
+    np.testing.assert_allclose(our_logits(theirs, ids, pixels), mlx_vlm_logits(theirs, family, ids, pixels),
+                               atol=1e-4, rtol=0)
+    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, log=lambda *_: None)
+    if family in MLX_VLM_CANNOT_READ_Q4:  # a known gap, checked so that a fixed mlx-vlm shows here
+        with pytest.raises(ValueError, match="lm_head.weight"):
+            mlx_vlm_logits(tmp_path / "ours-q4", family, ids, pixels)
+        return
+    np.testing.assert_allclose(mlx_vlm_logits(tmp_path / "ours-q4", family, ids, pixels),
+                               our_logits(tmp_path / "ours-q4", ids, pixels), atol=1e-4, rtol=0)
