@@ -25,22 +25,28 @@ from mlx_tfm.training.trainer import TrainingArgs, batch_arrays, train
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
-SETTINGS = {"smolvlm": {"image_seq_len": 4}, "idefics3": {"image_seq_len": 4},
-            "llava": {"patch_size": 8, "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}}
+# family -> (the config key of its image token, that token, its processor_config.json)
+FAMILIES = {
+    "smolvlm": ("image_token_id", "<image>", {"image_seq_len": 4}),
+    "idefics3": ("image_token_id", "<image>", {"image_seq_len": 4}),
+    "llava": ("image_token_index", "<image>", {"patch_size": 8, "num_additional_image_tokens": 1,
+                                               "vision_feature_select_strategy": "default"}),
+    "gemma3": ("image_token_index", "<image_soft_token>", {"image_seq_length": 4}),
+}
 
 
 def image_text_folder(folder, family: str):
-    """A tiny random ``family`` model whose <image> token is the word tokenizer's, with a chat template."""
-    tokenizer = word_tokenizer()
-    key = {"llava": "image_token_index", "smolvlm": "image_token_id", "idefics3": "image_token_id"}[family]
-    make_vision_model(family, folder, **{key: tokenizer.convert_tokens_to_ids("<image>")})
+    """A tiny random ``family`` model whose image token is the word tokenizer's, with a chat template."""
+    key, image_token, settings = FAMILIES[family]
+    tokenizer = word_tokenizer(gemma=family == "gemma3")
+    make_vision_model(family, folder, **{key: tokenizer.convert_tokens_to_ids(image_token)})
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
-    (folder / "processor_config.json").write_text(json.dumps(SETTINGS[family]))
+    (folder / "processor_config.json").write_text(json.dumps(settings))
     return folder
 
 
-@pytest.fixture(scope="module", params=["smolvlm", "llava"])
+@pytest.fixture(scope="module", params=["smolvlm", "llava", "gemma3"])
 def folder(request, tmp_path_factory):
     return image_text_folder(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -288,7 +294,7 @@ def test_malformed_image_rows_are_one_line(folder, tmp_path, row, expected):
 
 def test_a_cut_through_an_images_tokens_is_refused(folder, tmp_path):
     write_rows(tmp_path, {"train": ROWS[:1], "valid": ROWS[:1]})
-    assert "image tokens run past --max-seq-length 8" in refusal(folder, tmp_path, max_seq_length=8)
+    assert "image tokens run past --max-seq-length 4" in refusal(folder, tmp_path, max_seq_length=4)
 
 
 def test_train_vision_on_a_text_model_is_refused(stories_hf, tmp_path):
