@@ -20,7 +20,7 @@ from mlx_tfm.errors import UserError
 from mlx_tfm.model.lora import LoRALinear, apply_lora
 from mlx_tfm.training.finetune import FinetuneOptions, finetune, load_examples, unfreeze_vision
 from mlx_tfm.training.image_data import ImageBatches
-from mlx_tfm.training.image_loss import image_hidden_states, image_loss
+from mlx_tfm.training.image_loss import image_loss
 from mlx_tfm.training.trainer import TrainingArgs, batch_arrays, train
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
@@ -133,7 +133,7 @@ def test_the_loss_is_the_models_forward_scored(folder, tmp_path, mask_prompt):
     write_rows(tmp_path, {"train": ROWS})
     model, encoded = examples(folder, tmp_path, mask_prompt=mask_prompt)
     batch = ImageBatches(encoded, batch_size=4).evaluation(1)[0]
-    value, ntoks = image_loss(model, *batch_arrays(batch))
+    value, _ = image_loss(model, *batch_arrays(batch))
     expected = reference_loss(model, batch.tokens, batch.lengths, batch.pixel_values)
     assert value.item() == pytest.approx(expected, rel=1e-4)
 
