@@ -314,3 +314,19 @@ def test_the_vision_flags_reach_the_options():
     assert options.train_vision and options.train_projector
     plain = vars(parser.parse_args(["--model", "m", "--train"]))
     assert not lora.options_from({k: v for k, v in plain.items() if k != "config"}, None).train_vision
+
+
+def test_qlora_on_images_trains_over_a_4_bit_language_model(folder, tmp_path):
+    """A -q folder (the language model in 4 bits, the tower in float): the adapters learn."""
+    import mlx.optimizers as optim
+
+    from mlx_tfm.convert.converter import convert
+
+    convert(folder, tmp_path / "q4", quantize=True, q_group_size=32, log=lambda *_: None)
+    write_rows(tmp_path / "data", {"train": ROWS})
+    model, encoded = examples(tmp_path / "q4", tmp_path / "data")
+    assert isinstance(model.language_model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    apply_lora(model, num_layers=-1, rank=4, scale=2.0)
+    losses = train(model, optim.Adam(learning_rate=1e-2), ImageBatches(encoded, batch_size=4).batch, None,
+                   TrainingArgs(iters=8, steps_per_eval=0, steps_per_save=100), loss=image_loss)
+    assert losses[-1] < 0.7 * losses[0], losses
