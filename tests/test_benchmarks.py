@@ -122,3 +122,20 @@ def test_the_server_benchmark_runs_the_four_apis_and_their_soak_at_toy_size(tmp_
     streamed = dict(part.rsplit(" ", 1) for part in valid.split("streamed tokens by API: ")[1].split(", "))
     assert set(streamed) == {"chat", "responses", "ollama", "anthropic"} and all(int(v) > 0 for v in streamed.values()), valid
     assert "resident memory" in out, out
+
+
+def test_the_vision_benchmark_times_both_libraries_at_toy_size(tmp_path):
+    """benchmark_vision.py --toy: both libraries read the same folders in child processes;
+    every row has its four figures and each form its ratio row."""
+    command = [sys.executable, str(BENCHMARKS / "benchmark_vision.py"), "--toy", "--folder", str(tmp_path / "models"),
+               "--repeats", "1", "--decode-tokens", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("smolvlm-")]
+    assert [(row[0], row[1]) for row in rows] == [(f"smolvlm-{form}", library) for form in ("float32", "4bit")
+                                                  for library in ("mlx_tfm", "mlx-vlm")], done.stdout
+    assert all(float(value) > 0 for row in rows for value in row[2:]), done.stdout
+    assert done.stdout.count(" ratio ") == 2, done.stdout
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "benchmark_vision.py"), "--family", "qwen2_5_vl"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert refused.returncode == 1 and "not wired into generate(images=) yet" in refused.stderr

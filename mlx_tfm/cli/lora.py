@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--grad-accumulation-steps", type=int, help="micro-batches summed into each optimizer step")
     flag("--log-grad-norms", action="store_true", default=None, help="plot per-layer gradient norms")
     flag("--seed", type=int, help="seed of the data order, dropout and the adapters' initial weights")
+    flag("--train-vision", action="store_true", default=None, help="image-text models: also train the vision tower "
+         "and projector in full (frozen by default)")
+    flag("--train-projector", action="store_true", default=None, help="image-text models: also train the projector")
 
 
 def run(args: argparse.Namespace) -> int:

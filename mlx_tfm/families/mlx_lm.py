@@ -11,6 +11,7 @@ from .decoders import GEMMA3_TEXT_DEFAULTS
 from .gemma4 import GEMMA4_TEXT_DEFAULTS, gemma4_layer_types, global_layer_shape
 from .kimi import kimi_mlx_lm_keys
 from .llama4 import LLAMA4_MLX_LM_CONFIG_KEYS
+from .mlx_vlm import MLX_VLM_CONFIG_KEYS, gemma3_mlx_vlm_keys
 from .qwen_vl import QWEN_VL_MLX_LM_KEYS
 from .state_space import STATE_SPACE_MLX_LM_KEYS
 
@@ -107,7 +108,7 @@ def minimax_m2_mlx_lm_keys(config: dict) -> dict:
 # Config keys mlx-lm reads that transformers 5 writes differently or not at all, by model_type.
 MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "gemma3_text": gemma3_text_mlx_lm_keys,
-    "gemma3": gemma3_mlx_lm_keys,
+    "gemma3": lambda config: {**gemma3_mlx_lm_keys(config), **gemma3_mlx_vlm_keys(config)},  # mlx_vlm.py
     "olmo3": layer_type_rope_keys,
     "exaone4": exaone4_mlx_lm_keys,
     "glm4_moe": lambda config: {"rope_scaling": None},  # a required field of mlx-lm's glm4_moe
@@ -126,6 +127,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
     "minimax_m2": minimax_m2_mlx_lm_keys,
     **QWEN_VL_MLX_LM_KEYS,  # qwen_vl.py
+    **MLX_VLM_CONFIG_KEYS,  # mlx_vlm.py: what mlx-vlm reads of idefics3 / smolvlm
     "kimi_linear": kimi_mlx_lm_keys,
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],

@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import COMMON_DROPS, Architecture, activation
 from .decoders import DECODERS
+from .mlx_vlm import MLX_VLM_RENAMES, channels_first_patches
 from .more_decoders import MORE_DECODERS
 
 # transformers' defaults for the keys hub configs leave out, by tower
@@ -107,7 +108,7 @@ def gemma3_vision_args(config: dict) -> dict:
 TOWER = r"(?:model\.)?(?:vision_tower|vision_model)\.(?:vision_model\.)?"
 LAYER = TOWER + r"encoder\.layers\.(\d+)\."
 ours = "vision_tower.encoder."
-VISION_RENAMES = (
+VISION_RENAMES = MLX_VLM_RENAMES + (
     (TOWER + r"embeddings\.position_embedding\.(.*)", ours + r"embed_positions.\1"),
     (TOWER + r"embeddings\.(.*)", r"vision_tower.embeddings.\1"),
     (TOWER + r"pre_layrnorm\.(.*)", ours + r"embed_norm.\1"),
@@ -138,9 +139,9 @@ def unused_tower_tensors(weights: dict, args: ModelArgs) -> dict:
             return int(match.group(1)) < n_layers
         return vision.get("final_norm", True) or not name.startswith("vision_tower.encoder.norm.")
 
-    kept = {name: tensor for name, tensor in weights.items() if used(name)}
-    if args.tie_word_embeddings:
-        kept.pop("language_model.lm_head.weight", None)
+    kept = channels_first_patches({name: tensor for name, tensor in weights.items() if used(name)}, args)
+    if args.tie_word_embeddings:  # mlx-vlm's -q writes a tied head's copy quantized: scales, biases too
+        kept = {name: tensor for name, tensor in kept.items() if not name.startswith("language_model.lm_head.")}
     return kept
 
 

@@ -89,6 +89,7 @@ def load_training_tokenizer(spec: str):
 class Batch:
     tokens: np.ndarray  # (B, T) int32, zero-padded
     lengths: np.ndarray  # (B, 2) int32: (prompt_length, length)
+    pixel_values: np.ndarray | None = None  # (n_views, C, H, W): the rows' images (image_data.py)
 
 
 def pad_batch(examples: list[Example], pad_to: int = 8) -> Batch:
@@ -120,12 +121,16 @@ class LengthGroupedBatches:
     def batch(self, step: int) -> Batch:
         epoch, position = divmod(step, len(self.groups))
         permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self.groups))
-        return pad_batch([self.examples[i] for i in self.groups[permutation[position]]], self.pad_to)
+        return self.collate([self.examples[i] for i in self.groups[permutation[position]]])
 
     def evaluation(self, max_batches: int = -1) -> list[Batch]:
         """Batches in a fixed order, ``max_batches <= 0`` meaning all of them."""
         count = len(self.groups) if max_batches <= 0 else min(max_batches, len(self.groups))
-        return [pad_batch([self.examples[i] for i in g], self.pad_to) for g in self.groups[:count]]
+        return [self.collate([self.examples[i] for i in g]) for g in self.groups[:count]]
+
+    def collate(self, examples: list) -> Batch:
+        """One batch of examples (a subclass adds what its examples carry beside tokens)."""
+        return pad_batch(examples, self.pad_to)
 
 
 class TokenWindows:

@@ -18,6 +18,7 @@ from ..datasets import load_split
 from ..distributed.world import World, join
 from ..errors import UserError
 from ..model.lora import FINE_TUNE_TYPES, LORA_DEFAULTS, apply_lora
+from ..model.vision_language import VisionLanguageModel
 from ..weights.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -26,6 +27,8 @@ from ..weights.adapters import (
     save_adapters,
 )
 from .data import LengthGroupedBatches
+from .image_data import ImageBatches, load_image_split, refuse_images_for_text_model
+from .image_loss import image_loss
 from .options import LOOP_RULES, LoopOptions, Rule, check_options, one_of, positive, whole
 from .reporting import ProgressReporter
 from .seq2seq import check_prompts, loss_for
@@ -65,6 +68,9 @@ class FinetuneOptions(LoopOptions):
     max_seq_length: int = 2048
     lr_schedule: dict | None = None  # {name, arguments, warmup, warmup_init}
     lora_parameters: dict = field(default_factory=lambda: dict(LORA_DEFAULTS))  # rank, scale, dropout, keys
+    # image-text models: the tower and projector stay frozen unless asked (mlx-vlm's --train-vision)
+    train_vision: bool = False  # train the vision tower and the projector, in full
+    train_projector: bool = False  # train the projector alone, in full
 
     @classmethod
     def from_dict(cls, values: dict, source: str | None = None) -> "FinetuneOptions":
@@ -100,6 +106,7 @@ FINETUNE_RULES = {
     **LOOP_RULES, "learning_rate": positive(), "resume_adapter_file": Rule(str, optional=True),
     "adapter_path": Rule(str), "test": Rule(bool), "test_batches": Rule(int), "max_seq_length": whole(2),
     "lr_schedule": Rule(dict, optional=True), "lora_parameters": Rule(dict),
+    "train_vision": Rule(bool), "train_projector": Rule(bool),
 }  # fmt: skip
 FLAGLESS = ("optimizer_config", "lr_schedule", "lora_parameters")  # YAML only
 
@@ -142,7 +149,13 @@ def build_optimizer(options: FinetuneOptions) -> optim.Optimizer:
     return OPTIMIZERS[options.optimizer](learning_rate=build_schedule(options), **keywords)
 
 
-def load_examples(options: FinetuneOptions, split: str, tokenizer):
+def load_examples(options: FinetuneOptions, split: str, tokenizer, model=None):
+    """A split's examples; an image-text ``model``'s may hold images (image_data.py)."""
+    if isinstance(model, VisionLanguageModel):
+        return load_image_split(Path(options.data), split, tokenizer, model.vision_args.image_token_id,
+                                options.max_seq_length, options.mask_prompt)
+    if model is not None:
+        refuse_images_for_text_model(Path(options.data), [split], model.args.model_type)
     examples = load_split(Path(options.data), split, tokenizer, options.max_seq_length)
     if not options.mask_prompt:
         examples = [(tokens, 0) for tokens, _ in examples]
@@ -162,6 +175,15 @@ def saved_adapter_config(options: FinetuneOptions) -> dict:
     return config
 
 
+def unfreeze_vision(model, tower: bool) -> None:
+    """Train the projector (and, with ``tower``, the vision tower) in full beside the adapters."""
+    if not isinstance(model, VisionLanguageModel):
+        raise UserError(f"--train-vision / --train-projector: this model ({model.args.model_type}) has no vision tower")
+    model.multi_modal_projector.unfreeze()
+    if tower:
+        model.vision_tower.unfreeze()
+
+
 def finetune(options: FinetuneOptions) -> int:
     """Under mlx.launch, data parallel: every rank trains on its share of each batch, the
     gradients are averaged inside the step, rank 0 reports and writes the adapters."""
@@ -173,31 +195,35 @@ def finetune(options: FinetuneOptions) -> int:
         raise UserError(f"--data {options.data} is not a folder with train/valid/test .jsonl files")
     mx.random.seed(options.seed)
     model, tokenizer = load(options.model)
-    loss = loss_for(model)
+    takes_images = isinstance(model, VisionLanguageModel)
+    if takes_images and world.size > 1:
+        raise UserError("fine-tuning an image-text model runs in one process here, not under mlx.launch")
+    loss, batching = (image_loss, ImageBatches) if takes_images else (loss_for(model), LengthGroupedBatches)
     if model.args.kind == "encoder-decoder":
         options = dataclasses.replace(options, mask_prompt=True)  # T5: the prompt is the encoder's input
     adapter_path = Path(options.adapter_path).expanduser()
     if options.train:
-        train_set = load_examples(options, "train", tokenizer)
-        valid_set = load_examples(options, "valid", tokenizer)
-        test_set = load_examples(options, "test", tokenizer) if options.test else None
+        train_set = load_examples(options, "train", tokenizer, model)
+        valid_set = load_examples(options, "valid", tokenizer, model)
+        test_set = load_examples(options, "test", tokenizer, model) if options.test else None
         if model.args.kind == "encoder-decoder":
             check_prompts(train_set + valid_set, options.data)
-        run_training(model, options, train_set, valid_set, adapter_path, loss, world)
+        run_training(model, options, train_set, valid_set, adapter_path, loss, world, batching)
     else:
-        test_set = load_examples(options, "test", tokenizer)
+        test_set = load_examples(options, "test", tokenizer, model)
         if (adapter_path / ADAPTER_CONFIG).is_file():
             load_adapters(model, adapter_path)
     if test_set is not None:
         model.eval()
-        batches = LengthGroupedBatches(test_set, options.batch_size, options.seed).evaluation(options.test_batches)
+        batches = batching(test_set, options.batch_size, options.seed).evaluation(options.test_batches)
         test_loss = evaluate(model, world.rows_of(batches), loss, world.group)
         print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(min(test_loss, 700)):.3f}.")
     return 0
 
 
 def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_path: Path, loss=loss_fn,
-                 world: World = World()) -> None:
+                 world: World = World(), batching=LengthGroupedBatches) -> None:
+    """Adapt, train and save; ``batching``: the batches' class (``ImageBatches`` for image data)."""
     params = options.lora_parameters
     apply_lora(
         model,
@@ -208,6 +234,8 @@ def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_
         dropout=params["dropout"],
         keys=params.get("keys"),
     )
+    if options.train_vision or options.train_projector:
+        unfreeze_vision(model, tower=options.train_vision)
     if options.resume_adapter_file and world.leader:
         load_adapter_weights(model, Path(options.resume_adapter_file))
     world.start_alike(model)  # every rank starts from rank 0's trainable weights
@@ -215,8 +243,8 @@ def run_training(model, options: FinetuneOptions, train_set, valid_set, adapter_
         print(describe_trainable(model), file=sys.stderr)
         for stale in remove_stale_temporaries(adapter_path):
             print(f"removed {stale}, left by an interrupted run", file=sys.stderr)
-    train_batches = LengthGroupedBatches(train_set, options.batch_size, options.seed)
-    valid_batches = LengthGroupedBatches(valid_set, options.batch_size, options.seed)
+    train_batches = batching(train_set, options.batch_size, options.seed)
+    valid_batches = batching(valid_set, options.batch_size, options.seed)
     saved_config = saved_adapter_config(options)
 
     def save(step: int) -> Path:

@@ -115,12 +115,19 @@ def cross_entropy_sum(model: nn.Module, hidden: mx.array, targets: mx.array, mas
     return total
 
 
+def batch_arrays(batch: Batch) -> tuple:
+    """The loss's array arguments of a batch after the model: tokens, lengths, and the
+    pixel values of a batch with images (the loss then takes them third)."""
+    arrays = (mx.array(batch.tokens), mx.array(batch.lengths))
+    return arrays if batch.pixel_values is None else (*arrays, mx.array(batch.pixel_values))
+
+
 def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn, group=None) -> float:
     """Token-weighted mean loss over the batches; with a data-parallel ``group``
     (``mx.distributed.Group``), over every rank's batches."""
     total, count = mx.array(0.0), mx.array(0)
     for batch in batches:
-        value, ntoks = loss(model, mx.array(batch.tokens), mx.array(batch.lengths))
+        value, ntoks = loss(model, *batch_arrays(batch))
         total, count = total + value * ntoks, count + ntoks
         mx.eval(total, count)
     if group is not None:
@@ -218,23 +225,23 @@ def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, 
         return value, ntoks, grad_norm, layer_norms
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def full_step(tokens, lengths):
-        (value, ntoks), grads = loss_and_grad(model, tokens, lengths)
+    def full_step(*arrays):  # tokens, lengths[, pixel values]
+        (value, ntoks), grads = loss_and_grad(model, *arrays)
         return update(value, ntoks, grads)
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def micro_grads(tokens, lengths):
-        (value, ntoks), grads = loss_and_grad(model, tokens, lengths)
+    def micro_grads(*arrays):
+        (value, ntoks), grads = loss_and_grad(model, *arrays)
         return value, ntoks, grads
 
     compiled_update = mx.compile(update, inputs=state, outputs=state)
 
     def step(micro_batches: list[Batch]):
         if len(micro_batches) == 1:
-            return full_step(mx.array(micro_batches[0].tokens), mx.array(micro_batches[0].lengths))
+            return full_step(*batch_arrays(micro_batches[0]))
         loss_sum, ntoks_sum, grad_sum = mx.array(0.0), mx.array(0), None
         for batch in micro_batches:
-            value, ntoks, grads = micro_grads(mx.array(batch.tokens), mx.array(batch.lengths))
+            value, ntoks, grads = micro_grads(*batch_arrays(batch))
             # mean x count: this micro-batch's sum over its tokens
             grads = tree_map(lambda g: g * ntoks.astype(g.dtype), grads)
             grad_sum = grads if grad_sum is None else tree_map(mx.add, grad_sum, grads)
