@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
+from benchmark_convert import measure as measure_command
 from benchmark_llamacpp import peak_rss_mb, run_llama_cpp, run_mlx
 from models import LLAMA_3_1_8B, SMOLLM2_1_7B, build_once, write_random_checkpoint, write_sized_bpe_tokenizer
 
@@ -78,21 +81,32 @@ def gguf_types_offered() -> set[str]:
 
 
 def convert(*flags: str) -> None:
-    done = subprocess.run([*CONVERT, *flags, "--overwrite"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: mlx-tfm convert {' '.join(flags)} failed: {done.stderr.strip()[-2000:]}")
+    """One `mlx-tfm convert` in a process of its own, its time and peak memory printed (the
+    8B's GGUF exports need the most)."""
+    wall, peak_mib = measure_command([*CONVERT, *flags, "--overwrite"])
+    print(f"  mlx-tfm convert {' '.join(flags[2:])}: {wall:.0f} s, peak RSS {peak_mib * 2**20 / 1e9:.1f} GB", flush=True)
+
+
+def write_source(root: Path, config: dict, split: str) -> None:
+    write_sized_bpe_tokenizer(root / "tokenizer", config["vocab_size"], split)
+    write_random_checkpoint(root / "16bit", config, root / "tokenizer")
+
+
+def in_fresh_process(function: Callable, *args) -> None:
+    """Run ``function(*args)`` in a new interpreter, so that this process stays small: a
+    child started from it (which shares its memory until it runs its program) then reports
+    a peak RSS of its own."""
+    process = multiprocessing.get_context("spawn").Process(target=function, args=args)
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise SystemExit(f"error: {function.__name__} failed (exit status {process.exitcode})")
 
 
 def build_source(root: Path, config: dict, split: str) -> Path:
     """The 16-bit Hugging Face folder of random weights (and its tokenizer), once."""
-    folder = root / "16bit"
-
-    def write() -> None:
-        write_sized_bpe_tokenizer(root / "tokenizer", config["vocab_size"], split)
-        write_random_checkpoint(folder, config, root / "tokenizer")
-
-    build_once(root, f".built-16bit-{BUILD_VERSION}", write)
-    return folder
+    build_once(root, f".built-16bit-{BUILD_VERSION}", lambda: in_fresh_process(write_source, root, config, split))
+    return root / "16bit"
 
 
 def build_format(root: Path, source: Path, fmt: str, gguf_types: list[str]) -> dict[str, Path]:
@@ -114,7 +128,10 @@ def build_format(root: Path, source: Path, fmt: str, gguf_types: list[str]) -> d
 def remove_format(root: Path, fmt: str, paths: dict[str, Path], source: Path) -> None:
     """Free the disk a measured format took (its build markers too, so a rerun rebuilds)."""
     for path in set(paths.values()) - {source}:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     for marker in root.glob(".built-*"):
         if not marker.name.startswith(".built-16bit"):
             marker.unlink()
@@ -250,7 +267,7 @@ def run_size(size: str, config: dict, args, offered: set[str]) -> list[tuple[str
     return rows
 
 
-def comma_list(choices) -> callable:
+def comma_list(choices) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = text.split(",")
         unknown = [item for item in items if item not in choices]
@@ -272,15 +289,15 @@ def parse_args():
     parser.add_argument("--keep", action="store_true", help="keep every folder and file built")
     parser.add_argument("--toy", action="store_true", help="hidden 64, 2 layers, vocab 512: the pipeline in seconds")
     parser.add_argument("--markdown", action="store_true", help="print the table in markdown (the README's)")
-    for hidden in ("--child", "--model", "--vocab-size"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS, type=Path if hidden == "--model" else None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one measurement: the library
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)  # the folder or GGUF file it reads
+    parser.add_argument("--vocab-size", type=int, help=argparse.SUPPRESS)  # the range of the prompt's ids
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     if args.child:
-        args.vocab_size = int(args.vocab_size)
         return child(args)
     offered = gguf_types_offered()
     print(f"{args.threads} threads; prompts of {', '.join(map(str, args.prompt_tokens))} tokens, "
