@@ -192,3 +192,15 @@ def test_the_real_sizes_benchmark_measures_the_three_libraries_at_toy_size(tmp_p
         assert prompt_ratio == pytest.approx(prompt_tps[0] / prompt_tps[theirs], rel=0.05, abs=0.01), rows[0]
         assert decode_ratio == pytest.approx(decode_tps[0] / decode_tps[theirs], rel=0.05, abs=0.01), rows[0]
     assert not (tmp_path / "work" / "toy" / "8b").exists()
+
+
+def test_the_real_sizes_benchmark_refuses_a_disk_too_small_before_writing(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its siblings
+    spec = importlib.util.spec_from_file_location("benchmark_real_sizes", BENCHMARKS / "benchmark_real_sizes.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    huge = {**benchmark.LLAMA_3_1_8B, "vocab_size": 10**9}  # a 4,096-wide embedding of a billion rows: 16 TB
+    with pytest.raises(SystemExit, match=r"has \d+ GB free, these formats need \d+ GB"):
+        benchmark.check_room(tmp_path / "work", huge, ["4bit"])
+    assert not list((tmp_path / "work").iterdir())  # nothing written
+    benchmark.check_room(tmp_path / "work", benchmark.TOY["8b"], ["4bit", "8bit", "16bit"])  # a toy fits

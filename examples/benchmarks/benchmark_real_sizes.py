@@ -34,15 +34,18 @@ first too); the best of ``--repeats`` is reported:
   libraries, weights (llama.cpp maps its file: the pages it reads count), caches.
 
 ``--threads`` (default 2) is given to llama.cpp, to mlx_tfm's kernels and to OpenBLAS.
-Room needed for the 8B: disk for its 16 GB folder and the largest format beside it (the
-F16 GGUF, 16 GB); memory for the GGUF writer, which holds a file's tensors until it writes
-them (16 GB for the F16 file). The machine should be otherwise idle.
+Each ``mlx-tfm convert`` prints its time and peak RSS. Room needed for the 8B: disk for its
+16 GB folder and the largest format beside it (the F16 GGUF, 16 GB); memory for the GGUF
+export, which today keeps every source tensor it has read (16 GB) and, as the ``gguf``
+package's writer does, the file's tensors until it writes them: the source plus the file,
+more than 24 GB for the 8B's F16 and Q8_0 files. The machine should be otherwise idle.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -53,7 +56,14 @@ from typing import Callable
 
 from benchmark_convert import measure as measure_command
 from benchmark_llamacpp import peak_rss_mb, run_llama_cpp, run_mlx
-from models import LLAMA_3_1_8B, SMOLLM2_1_7B, build_once, write_random_checkpoint, write_sized_bpe_tokenizer
+from models import (
+    LLAMA_3_1_8B,
+    SMOLLM2_1_7B,
+    build_once,
+    parameter_shapes,
+    write_random_checkpoint,
+    write_sized_bpe_tokenizer,
+)
 
 SIZES = {"1.7b": SMOLLM2_1_7B, "8b": LLAMA_3_1_8B}
 SPLITS = {"1.7b": "smollm", "8b": "llama-bpe"}  # how each model's own tokenizer splits text (llama.cpp's names)
@@ -64,6 +74,8 @@ TOY = {"1.7b": {**SMOLLM2_1_7B, **TINY, "num_key_value_heads": 4}, "8b": {**LLAM
 FORMATS = {"4bit": (["-q", "--q-bits", "4", "--q-group-size", "64"], "q4_0"),
            "8bit": (["-q", "--q-bits", "8", "--q-group-size", "64"], "q8_0"),
            "16bit": (None, "f16")}
+# disk a format's files take beside the 16-bit folder, as a share of its size (ours and the GGUF)
+ROOM = {"4bit": 0.6, "8bit": 1.1, "16bit": 1.0}
 EXTRA_GGUF = {"4bit": "q4_k_m"}  # a second llama.cpp row, where `mlx-tfm convert` writes the type
 LIBRARIES = ("mlx_tfm", "llama.cpp", "mlx-lm")
 BUILD_VERSION = "v1"  # bump when a recipe changes
@@ -84,7 +96,7 @@ def convert(*flags: str) -> None:
     """One `mlx-tfm convert` in a process of its own, its time and peak memory printed (the
     8B's GGUF exports need the most)."""
     wall, peak_mib = measure_command([*CONVERT, *flags, "--overwrite"])
-    print(f"  mlx-tfm convert {' '.join(flags[2:])}: {wall:.0f} s, peak RSS {peak_mib * 2**20 / 1e9:.1f} GB", flush=True)
+    print(f"  mlx-tfm convert {' '.join(flags[2:])}: {wall:.0f} s, peak RSS {peak_mib * 2**20 / 1e9:.2f} GB", flush=True)
 
 
 def write_source(root: Path, config: dict, split: str) -> None:
@@ -101,6 +113,17 @@ def in_fresh_process(function: Callable, *args) -> None:
     process.join()
     if process.exitcode != 0:
         raise SystemExit(f"error: {function.__name__} failed (exit status {process.exitcode})")
+
+
+def check_room(root: Path, config: dict, formats: list[str]) -> None:
+    """One line, before anything is written, when the disk cannot hold the 16-bit folder
+    and the largest format beside it."""
+    sixteen_bit = 2 * sum(math.prod(shape) for shape in parameter_shapes(config).values())
+    needed = sixteen_bit * (1 + max(ROOM[fmt] for fmt in formats))
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free + sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    if free < needed:
+        raise SystemExit(f"error: {root} has {free / 1e9:.0f} GB free, these formats need {needed / 1e9:.0f} GB")
 
 
 def build_source(root: Path, config: dict, split: str) -> Path:
@@ -253,6 +276,7 @@ def llama_cpp_types(fmt: str, offered: set[str]) -> list[str]:
 def run_size(size: str, config: dict, args, offered: set[str]) -> list[tuple[str, ...]]:
     """Build, measure and (unless --keep) remove each format of one shape -> its table rows."""
     root = args.work_dir / ("toy" if args.toy else "full") / size
+    check_room(root, config, args.formats)
     source = build_source(root, config, SPLITS[size])
     rows = []
     for fmt in args.formats:
