@@ -184,7 +184,7 @@ def test_the_real_sizes_benchmark_measures_the_three_libraries_at_toy_size(tmp_p
     assert ("skipping llama.cpp Q4_K_M" in done.stdout) != has_q4_k_m, done.stdout
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 8b | 4bit")]
     assert [row[1] for row in rows] == ["4bit (Q4_0)", *(["4bit (Q4_K_M)"] if has_q4_k_m else [])], done.stdout
-    shape, fmt, n_tokens, prompt, decode, peak, vs_llama_cpp, vs_mlx_lm = rows[0]
+    n_tokens, prompt, decode, peak, vs_llama_cpp, vs_mlx_lm = rows[0][2:]
     prompt_tps, decode_tps, peak_gb = ([float(v) for v in cell.split(" / ")] for cell in (prompt, decode, peak))
     assert n_tokens == "16" and all(v > 0 for v in prompt_tps + decode_tps + peak_gb), rows[0]
     for ratio, theirs in ((vs_llama_cpp, 1), (vs_mlx_lm, 2)):

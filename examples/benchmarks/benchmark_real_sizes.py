@@ -51,8 +51,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from benchmark_convert import measure as measure_command
 from benchmark_llamacpp import peak_rss_mb, run_llama_cpp, run_mlx
@@ -77,7 +78,6 @@ FORMATS = {"4bit": (["-q", "--q-bits", "4", "--q-group-size", "64"], "q4_0"),
 # disk a format's files take beside the 16-bit folder, as a share of its size (ours and the GGUF)
 ROOM = {"4bit": 0.6, "8bit": 1.1, "16bit": 1.0}
 EXTRA_GGUF = {"4bit": "q4_k_m"}  # a second llama.cpp row, where `mlx-tfm convert` writes the type
-LIBRARIES = ("mlx_tfm", "llama.cpp", "mlx-lm")
 BUILD_VERSION = "v1"  # bump when a recipe changes
 CONVERT = [sys.executable, "-m", "mlx_tfm.convert"]
 
@@ -128,7 +128,7 @@ def check_room(root: Path, config: dict, formats: list[str]) -> None:
 
 def build_source(root: Path, config: dict, split: str) -> Path:
     """The 16-bit Hugging Face folder of random weights (and its tokenizer), once."""
-    build_once(root, f".built-16bit-{BUILD_VERSION}", lambda: in_fresh_process(write_source, root, config, split))
+    build_once(root, f".built-16bit-{BUILD_VERSION}", partial(in_fresh_process, write_source, root, config, split))
     return root / "16bit"
 
 
@@ -137,13 +137,13 @@ def build_format(root: Path, source: Path, fmt: str, gguf_types: list[str]) -> d
     flags, _ = FORMATS[fmt]
     ours = source if flags is None else root / fmt
     if flags is not None:
-        build_once(root, f".built-{fmt}-{BUILD_VERSION}", lambda: convert("--hf-path", str(source), "--mlx-path",
-                                                                          str(ours), *flags))
+        build_once(root, f".built-{fmt}-{BUILD_VERSION}", partial(convert, "--hf-path", str(source), "--mlx-path",
+                                                                  str(ours), *flags))
     paths = {"mlx_tfm": ours, "mlx-lm": ours}
     for gguf_type in gguf_types:
         path = root / f"model-{gguf_type.upper()}.gguf"
         build_once(root, f".built-{gguf_type}-{BUILD_VERSION}",
-                   lambda: convert("--hf-path", str(source), "--to-gguf", str(path), "--gguf-type", gguf_type))
+                   partial(convert, "--hf-path", str(source), "--to-gguf", str(path), "--gguf-type", gguf_type))
         paths[f"llama.cpp {gguf_type.upper()}"] = path
     return paths
 
@@ -186,7 +186,7 @@ def measure(engine: str, model: Path, n_tokens: int, args, vocab_size: int) -> d
     command = [sys.executable, __file__, "--child", engine.split()[0], "--model", str(model), "--vocab-size",
                str(vocab_size), "--prompt-tokens", str(n_tokens), "--decode-tokens", str(args.decode_tokens),
                "--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)  # a failure is a line
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         print(f"  {engine} on {model.name}, {n_tokens} tokens: failed: {last}", flush=True)
