@@ -139,3 +139,84 @@ def test_the_vision_benchmark_times_both_libraries_at_toy_size(tmp_path):
     refused = subprocess.run([sys.executable, str(BENCHMARKS / "benchmark_vision.py"), "--family", "qwen2_5_vl"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert refused.returncode == 1 and "not wired into generate(images=) yet" in refused.stderr
+def test_a_real_size_checkpoint_is_written_in_shards_and_loads_strictly(models, tokenizer_dir, tmp_path):
+    """write_random_checkpoint: every weight of the shape, in float16, spread over shards of
+    the size asked for, listed in the index; mlx_tfm loads the folder strictly."""
+    import mlx_tfm
+    from safetensors.numpy import load_file
+
+    config = {**models.LLAMA_3_1_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
+    folder = models.write_random_checkpoint(tmp_path / "model", config, tokenizer_dir, shard_bytes=40_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {s.name for s in shards}
+    tensors = {name: value for shard in shards for name, value in load_file(str(shard)).items()}
+    assert set(tensors) == set(index["weight_map"]) == set(models.parameter_shapes(config))
+    assert "lm_head.weight" in tensors  # untied, as Llama 3.1
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    for shard in shards:  # one tensor may exceed the size alone; two never do
+        members = [t for n, t in tensors.items() if index["weight_map"][n] == shard.name]
+        assert len(members) == 1 or sum(t.nbytes for t in members) <= 40_000
+    down = tensors["model.layers.1.mlp.down_proj.weight"]
+    assert down.dtype == np.float16 and down.shape == (64, 128) and abs(down.astype(np.float32).std() - 0.02) < 0.002
+    np.testing.assert_array_equal(tensors["model.layers.0.input_layernorm.weight"], np.ones(64, np.float16))
+    model, _ = mlx_tfm.load(folder)  # strict: a missing, extra or mis-shaped weight fails here
+    assert model.args.hidden_size == 64 and json.loads((folder / "config.json").read_text())["torch_dtype"] == "float16"
+
+
+@pytest.mark.parametrize("split,vocab_size", [("smollm", 512), ("llama-bpe", 24000)])
+def test_a_sized_bpe_tokenizer_has_the_vocabulary_and_split_llama_cpp_needs(models, split, vocab_size, tmp_path):
+    """Exactly vocab_size ids (past what tinyshakespeare's merges give, ~21.5k, too), each
+    merge making a piece of the vocabulary, and the GGUF export naming its split as asked."""
+    from tokenizers import Tokenizer
+
+    from mlx_tfm.convert.gguf_export import pre_tokenizer_name
+
+    models.write_sized_bpe_tokenizer(tmp_path, vocab_size, split)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    assert sorted(vocab.values()) == list(range(vocab_size))
+    assert all(left + right in vocab for left, right in spec["model"]["merges"])
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == vocab_size and pre_tokenizer_name(tokenizer) == split
+    assert tokenizer.decode(tokenizer.encode("To be, or not 2024").ids) == "To be, or not 2024"
+
+
+def test_the_real_sizes_benchmark_measures_the_three_libraries_at_toy_size(tmp_path):
+    """--toy: the 8B's recipe (GQA, untied head, Llama 3 RoPE scaling) at hidden 64, 4-bit:
+    ours and mlx-lm on one converted folder, llama.cpp on our Q4_0 GGUF, each in a process
+    of its own; the markdown row holds all three, its ratios are the quotients of its
+    figures, and the work folder is gone after (no --keep). 520 prompt tokens: past
+    llama.cpp's batch of 512, where llama-cpp-python keeps no logits of its own."""
+    command = [sys.executable, str(BENCHMARKS / "benchmark_real_sizes.py"), "--toy", "--sizes", "8b", "--formats",
+               "4bit", "--prompt-tokens", "520", "--decode-tokens", "4", "--repeats", "1", "--markdown",
+               "--work-dir", str(tmp_path / "work")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "failed" not in done.stdout, done.stdout
+    help_text = subprocess.run([sys.executable, "-m", "mlx_tfm.convert", "--help"], capture_output=True, text=True).stdout
+    has_q4_k_m = "q4_k_m" in help_text
+    assert ("skipping llama.cpp Q4_K_M" in done.stdout) != has_q4_k_m, done.stdout
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 8b | 4bit")]
+    assert [row[1] for row in rows] == ["4bit (Q4_0)", *(["4bit (Q4_K_M)"] if has_q4_k_m else [])], done.stdout
+    n_tokens, prompt, decode, peak, vs_llama_cpp, vs_mlx_lm = rows[0][2:]
+    prompt_tps, decode_tps, peak_gb = ([float(v) for v in cell.split(" / ")] for cell in (prompt, decode, peak))
+    assert n_tokens == "520" and all(v > 0 for v in prompt_tps + decode_tps + peak_gb), rows[0]
+    for ratio, theirs in ((vs_llama_cpp, 1), (vs_mlx_lm, 2)):
+        prompt_ratio, decode_ratio = (float(r.rstrip("x")) for r in ratio.strip(" |").split(", "))
+        assert prompt_ratio == pytest.approx(prompt_tps[0] / prompt_tps[theirs], rel=0.05, abs=0.01), rows[0]
+        assert decode_ratio == pytest.approx(decode_tps[0] / decode_tps[theirs], rel=0.05, abs=0.01), rows[0]
+    assert not (tmp_path / "work" / "toy" / "8b").exists()
+
+
+def test_the_real_sizes_benchmark_refuses_a_disk_too_small_before_writing(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its siblings
+    spec = importlib.util.spec_from_file_location("benchmark_real_sizes", BENCHMARKS / "benchmark_real_sizes.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    huge = {**benchmark.LLAMA_3_1_8B, "vocab_size": 10**9}  # a 4,096-wide embedding of a billion rows: 16 TB
+    with pytest.raises(SystemExit, match=r"has \d+ GB free, these formats need \d+ GB"):
+        benchmark.check_room(tmp_path / "work", huge, ["4bit"])
+    assert not list((tmp_path / "work").iterdir())  # nothing written
+    benchmark.check_room(tmp_path / "work", benchmark.TOY["8b"], ["4bit", "8bit", "16bit"])  # a toy fits

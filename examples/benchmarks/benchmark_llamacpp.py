@@ -213,7 +213,10 @@ def run_llama_cpp(path: Path, prompt: list[int], max_tokens: int, threads: int) 
                           n_threads_batch=threads, verbose=False)
 
     def greedy() -> int:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # the last position's logits from the context: llama-cpp-python 0.3 no longer copies
+        # them into llm.scores (a buffer of n_batch rows) unless logits_all is set
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+        return int(np.argmax(logits))
 
     llm.eval(prompt[:8])  # warm up
     greedy()

@@ -172,6 +172,8 @@ def kquant_mix(arch: str, config: dict, tied: bool) -> dict:
 
 
 def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, permuted: bool, log) -> None:
+    """Every tensor of ``weights`` (emptied on the way: each source array is freed once
+    the writer has its converted copy) into ``writer``, in llama.cpp's names and types."""
     import gguf
 
     n_heads = config["num_attention_heads"]
@@ -182,7 +184,7 @@ def add_tensors(writer, arch: str, config: dict, weights: dict, gguf_type: str, 
     mix = kquant_mix(arch, config, tied="lm_head.weight" not in names)
     start, step = time.monotonic(), max(1, len(names) // 10)
     for i, name in enumerate(sorted(names)):
-        w = np.array(weights[name].astype(mx.float32))
+        w = np.array(weights.pop(name).astype(mx.float32))  # popped: the writer holds the copy (8B in F16: 16 GB, not 32)
         if permuted and name.endswith("self_attn.q_proj.weight"):
             w = half_split_to_interleaved(w, n_heads)
         if permuted and name.endswith("self_attn.k_proj.weight"):

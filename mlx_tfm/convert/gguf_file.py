@@ -897,7 +897,8 @@ GPT2 = ()
 DIGITS_THEN_GPT2 = (DIGITS,)
 PRE_TOKENIZERS = {
     "default": LLAMA_CPP_DEFAULT,
-    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "olmo", "exaone4", "mellum", "trillion", "a.x-4.0"], GPT2),
+    # "gpt-2" first: the name an export writes (llama.cpp refuses "gpt2", which some files carry)
+    **dict.fromkeys(["gpt-2", "gpt2", "phi-2", "olmo", "exaone4", "mellum", "trillion", "a.x-4.0"], GPT2),
     # SmolLM 1/2, StarCoder 2, Refact, Command-R, Minerva: each digit apart, then GPT-2's split
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "minerva-7b"], DIGITS_THEN_GPT2),
     **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral", "midm-2.0"],

@@ -123,7 +123,7 @@ def test_byte_level_bpe_families_export(family, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_folder / name, folder / name)
     path = export_gguf(folder, tmp_path / "q.gguf", "f32", **QUIET)
-    assert gguf.GGUFReader(str(path)).fields["tokenizer.ggml.pre"].contents() == "gpt2"
+    assert gguf.GGUFReader(str(path)).fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # llama.cpp refuses "gpt2" (unknown pre-tokenizer type)
     ids = [5, 17, 200, 33, 9, 101, 64, 250, 3, 77, 120, 45]
     convert(path, tmp_path / "back", **QUIET)
     np.testing.assert_allclose(our_logits(tmp_path / "back", ids), our_logits(folder, ids), atol=1e-4, rtol=0)
