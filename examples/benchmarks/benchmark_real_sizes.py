@@ -205,7 +205,7 @@ def best(runs: list[dict | None]) -> dict | None:
 
 def measure_format(paths: dict[str, Path], args, vocab_size: int, label: str) -> dict[tuple[str, int], dict | None]:
     """(engine, prompt tokens) -> best figures; the engines alternating, who goes first too."""
-    engines = list(paths)
+    engines = [engine for engine in paths if not (args.skip_mlx_lm and engine == "mlx-lm")]
     runs: dict[tuple[str, int], list] = {}
     for repeat in range(args.repeats):
         for n_tokens in args.prompt_tokens:
@@ -311,6 +311,8 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/mlx_tfm_real_sizes"))
     parser.add_argument("--keep", action="store_true", help="keep every folder and file built")
+    parser.add_argument("--skip-mlx-lm", action="store_true",
+                        help="time mlx_tfm and llama.cpp only (mlx-lm's 4- and 16-bit CPU routes take tens of minutes)")
     parser.add_argument("--toy", action="store_true", help="hidden 64, 2 layers, vocab 512: the pipeline in seconds")
     parser.add_argument("--markdown", action="store_true", help="print the table in markdown (the README's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one measurement: the library
