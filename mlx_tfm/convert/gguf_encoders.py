@@ -158,10 +158,10 @@ def t5_keys(get, base: dict, tensors: dict) -> dict:
     }
 
 
-def unigram_tokenizer(meta: dict) -> dict[str, bytes]:
-    """A T5-style GGUF vocabulary (tokenizer model ``t5``: SentencePiece unigram pieces,
-    scores, types and the normalizer's precompiled character map) -> tokenizer.model, with
-    T5's special tokens (pad, </s>, unk) in tokenizer_config.json."""
+def sentencepiece_pieces(meta: dict, model_type: str):
+    """A SentencePiece ModelProto holding a GGUF vocabulary's pieces, scores and types (GGUF
+    numbers token types as SentencePiece does: 1 normal ... 6 byte), its trainer spec of
+    ``model_type`` ("BPE" for llama's vocabularies, "UNIGRAM" for T5's) and size set."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     tokens = meta["tokenizer.ggml.tokens"]
@@ -171,9 +171,18 @@ def unigram_tokenizer(meta: dict) -> dict[str, bytes]:
     for piece, score, kind in zip(tokens, scores, types):
         entry = proto.pieces.add()
         entry.piece, entry.score, entry.type = piece, float(score), int(kind)
+    proto.trainer_spec.model_type = getattr(pb.TrainerSpec, model_type)
+    proto.trainer_spec.vocab_size = len(tokens)
+    return proto
+
+
+def unigram_tokenizer(meta: dict) -> dict[str, bytes]:
+    """A T5-style GGUF vocabulary (tokenizer model ``t5``: SentencePiece unigram pieces,
+    scores, types and the normalizer's precompiled character map) -> tokenizer.model, with
+    T5's special tokens (pad, </s>, unk) in tokenizer_config.json."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    proto = sentencepiece_pieces(meta, "UNIGRAM")
     spec = proto.trainer_spec
-    spec.model_type = pb.TrainerSpec.UNIGRAM
-    spec.vocab_size = len(tokens)
     ids = {key: int(meta[f"tokenizer.ggml.{key}_token_id"]) for key in ("unknown", "eos", "padding", "bos")
            if f"tokenizer.ggml.{key}_token_id" in meta}
     spec.unk_id, spec.eos_id = ids.get("unknown", 2), ids.get("eos", 1)

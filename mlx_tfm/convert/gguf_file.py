@@ -43,7 +43,7 @@ from ..families.experts import (
     QWEN_EXPERT_PROJECTIONS,
     num_experts_of,
 )
-from .gguf_encoders import ENCODER_ARCHITECTURES, bert_tokenizer, unigram_tokenizer
+from .gguf_encoders import ENCODER_ARCHITECTURES, bert_tokenizer, sentencepiece_pieces, unigram_tokenizer
 from .gguf_families import (
     FAMILY_ARCHITECTURES,
     gemma4_tokenizer,
@@ -813,19 +813,10 @@ def read_tensors(reader, config: dict, arch: str) -> tuple[dict, dict | None]:
 def sentencepiece_tokenizer(meta: dict) -> dict[str, bytes]:
     """A llama-style GGUF vocabulary (pieces, scores, types) -> tokenizer.model. GGUF token
     types use SentencePiece's own numbering (1 normal ... 6 byte)."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     tokens = meta["tokenizer.ggml.tokens"]
-    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    proto = pb.ModelProto()
-    for piece, score, kind in zip(tokens, scores, types):
-        entry = proto.pieces.add()
-        entry.piece, entry.score, entry.type = piece, float(score), int(kind)
+    proto = sentencepiece_pieces(meta, "BPE")
     spec = proto.trainer_spec
-    spec.model_type = pb.TrainerSpec.BPE
-    spec.vocab_size = len(tokens)
-    spec.byte_fallback = 6 in types
+    spec.byte_fallback = 6 in (meta.get("tokenizer.ggml.token_type") or ())
     spec.unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
     spec.bos_id = int(meta.get("tokenizer.ggml.bos_token_id", 1))
     spec.eos_id = int(meta.get("tokenizer.ggml.eos_token_id", 2))
