@@ -13,6 +13,7 @@ from fixtures.gemma4_vision_models import (
     cut_patches,
     make_gemma4_model,
 )
+from fixtures.image_decoding import cached_and_full_logits, greedy_with_images
 
 from mlx_tfm.errors import UserError
 from mlx_tfm.loading import load_model
@@ -67,23 +68,15 @@ def test_logits_and_greedy_tokens_match_transformers(gemma4):
                                 pad_token_id=0)[0, len(ids):].tolist()
     np.testing.assert_allclose(np.array(model(mx.array([ids]), image_features=features)[0]), expected, atol=1e-4,
                                rtol=0)
-    cache, tokens = model.make_cache(), []
-    logits = model(mx.array([ids]), cache=cache, image_features=features)
-    for _ in range(6):
-        tokens.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[tokens[-1]]]), cache=cache)
-    assert tokens == hf_tokens
+    assert greedy_with_images(model, ids, features, 6) == hf_tokens
 
 
 def test_cached_decoding_equals_the_full_forward(gemma4):
     _, model, _ = gemma4
     features = our_features(model, cut_patches())
     ids, continuation = prompt_ids(), [7, 200, 42, 11]
-    full = np.array(model(mx.array([ids + continuation]), image_features=features)[0])
-    cache = model.make_cache()
-    steps = [np.array(model(mx.array([ids]), cache=cache, image_features=features)[0])]
-    steps += [np.array(model(mx.array([[t]]), cache=cache)[0]) for t in continuation]
-    np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-4, rtol=0)
+    cached, full = cached_and_full_logits(model, ids, features, continuation)
+    np.testing.assert_allclose(cached, full, atol=1e-4, rtol=0)
 
 
 def test_pixel_values_and_positions_match_the_slow_processor():

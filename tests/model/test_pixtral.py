@@ -7,6 +7,7 @@ expanded prompt, image features, logits and greedy tokens of the whole
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures.image_decoding import cached_and_full_logits, greedy_with_images
 from fixtures.pixtral_models import (
     IMAGE_TOKEN,
     RESIZE_MULTIPLE,
@@ -117,12 +118,7 @@ def test_logits_and_greedy_tokens_match_transformers(pixtral):
                                 pad_token_id=0)[0, len(ids):].tolist()
     np.testing.assert_allclose(np.array(model(mx.array([ids]), image_features=features)[0]), expected, atol=1e-4,
                                rtol=0)
-    cache, tokens = model.make_cache(), []
-    logits = model(mx.array([ids]), cache=cache, image_features=features)
-    for _ in range(6):
-        tokens.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[tokens[-1]]]), cache=cache)
-    assert tokens == hf_tokens
+    assert greedy_with_images(model, ids, features, 6) == hf_tokens
 
 
 def test_cached_decoding_equals_the_full_forward(pixtral):
@@ -130,11 +126,8 @@ def test_cached_decoding_equals_the_full_forward(pixtral):
     inputs = our_inputs(family)
     features = model.encode_images(mx.array(inputs["pixel_values"]), inputs["image_sizes"])
     ids, continuation = prompt_ids([rows * cols for rows, cols in GRIDS[family]]), [7, 200, 42, 11]
-    full = np.array(model(mx.array([ids + continuation]), image_features=features)[0])
-    cache = model.make_cache()
-    steps = [np.array(model(mx.array([ids]), cache=cache, image_features=features)[0])]
-    steps += [np.array(model(mx.array([[t]]), cache=cache)[0]) for t in continuation]
-    np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-4, rtol=0)
+    cached, full = cached_and_full_logits(model, ids, features, continuation)
+    np.testing.assert_allclose(cached, full, atol=1e-4, rtol=0)
 
 
 def test_axial_rope_turns_the_first_quarter_by_row_and_the_second_by_column():
