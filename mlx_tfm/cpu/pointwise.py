@@ -1,9 +1,9 @@
 """A layer's pointwise ops on MLX's CPU backend, one mlx_tfm kernel call each: RMSNorm,
-RoPE, SwiGLU's ``silu(gate) * up``, and the log-sum-exp that turns logits into
-log-probabilities.
+RoPE, SwiGLU's ``silu(gate) * up``, Gemma's soft cap on logits, and the log-sum-exp that
+turns logits into log-probabilities.
 
 On the CPU, ``mx.fast.rms_norm`` and ``mx.fast.rope`` are fallbacks: chains of primitive
-ops (a RoPE call computes its angles with eight of them), and MLX's exp is a scalar loop,
+ops (a RoPE call computes its angles with eight of them), and MLX's exp and tanh are scalar loops on one thread,
 so a decoding step of a small model spends as much time here as in its products (numbers
 in docs/cpu-kernels.md). The kernels compute the same in float32 with the CPU's SIMD;
 their gradients are MLX's own ops'. ``None`` from ``kernels()`` (switched off, not built)
@@ -43,3 +43,8 @@ def logsumexp(x: mx.array) -> mx.array:
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up``."""
     return kernels().silu_mul(gate, up)
+
+
+def soft_cap(x: mx.array, cap: float) -> mx.array:
+    """``mx.tanh(x / cap) * cap``."""
+    return kernels().soft_cap(x, cap=cap)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cpu import pointwise as cpu_pointwise
 from ..cpu.switch import evaluates_each_sublayer
 from .attention import Attention
 from .cache import CrossAttentionCache, KVCache, RotatingKVCache, window_mask
@@ -364,6 +365,8 @@ class Model(nn.Module):
         if self.args.logit_scale != 1.0:
             logits = logits * self.args.logit_scale
         cap = self.args.final_logit_softcapping
+        if cap and cpu_pointwise.in_use():  # MLX's CPU tanh is a scalar loop on one thread
+            return cpu_pointwise.soft_cap(logits, cap)
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits

@@ -590,6 +590,50 @@ def test_silu_mul_leaves_a_gate_still_read_as_it_was():
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1, 32000), (1, 181, 4096), (3, 7)])
+def test_soft_cap_against_float64(dtype, shape):
+    """Values from -12 to 12 times the cap: both of tanh's forms (the series below a quarter
+    of the cap, the exponential above) and its flat ends."""
+    x = random(shape, FLOATS[dtype]) * 100
+    result = K.soft_cap(x, cap=30.0)
+    assert result.dtype == x.dtype and result.shape == x.shape
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
+    # x / cap and the product by cap round too: MLX's own route is off by up to 3.3 ulps, ours 4
+    assert_within(result, 30.0 * np.tanh(x64 / 30.0), 5)
+
+
+def test_soft_cap_near_zero_and_at_the_ends():
+    """Where 1 - e^-2y loses its digits the series keeps them; NaN stays NaN (a broken
+    model's logits must reach the NaN check), infinities go to +-cap."""
+    x = mx.array(np.concatenate([np.geomspace(1e-30, 1e3, 400), -np.geomspace(1e-30, 1e3, 400)]).astype(np.float32))
+    x64 = np.array(x).astype(np.float64)
+    expected = 5.0 * np.tanh(x64 / 5.0)
+    assert (np.abs(np.array(K.soft_cap(x, cap=5.0)) - expected) <= 5 * 2.0**-24 * np.abs(expected)).all()
+    ends = np.array(K.soft_cap(mx.array([float("nan"), float("inf"), -float("inf"), 0.0] * 5), cap=5.0))
+    assert np.isnan(ends[0::4]).all() and (ends[1::4] == 5.0).all() and (ends[2::4] == -5.0).all()
+    assert (ends[3::4] == 0.0).all()
+
+
+def test_a_capped_model_head_equals_the_plain_route(monkeypatch):
+    """The model's head through the kernel and through MLX's ops (as Metal and CUDA run it)."""
+    from mlx_tfm.cpu import pointwise
+    from mlx_tfm.model.config import ModelArgs
+    from mlx_tfm.model.transformer import Model
+
+    mx.random.seed(3)
+    args = ModelArgs.from_dict({"model_type": "gemma2", "hidden_size": 32, "num_hidden_layers": 1,
+                                "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "head_dim": 16, "vocab_size": 300, "final_logit_softcapping": 2.0})
+    model = Model(args)
+    hidden = random((2, 5, 32)) * 8
+    fast = model.head(hidden)
+    monkeypatch.setattr(pointwise, "in_use", lambda: False)
+    plain = model.head(hidden)
+    assert np.abs(np.array(plain)).max() > 1.9  # the cap is reached, not only its linear middle
+    assert np.allclose(np.array(fast), np.array(plain), atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shape", [(1, 49152), (16, 49152), (2, 3, 1000), (5,)])
 def test_logsumexp_against_float64(dtype, shape):
     x = random(shape, FLOATS[dtype]) * 8
@@ -624,6 +668,9 @@ def test_pointwise_gradients_are_mlx_s():
     got = mx.grad(lambda a: (K.logsumexp(a) ** 2).sum())(logits)
     want = mx.grad(lambda a: (mx.logsumexp(a, axis=-1, keepdims=True) ** 2).sum())(logits)
     assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    got = mx.grad(lambda a: (K.soft_cap(a, cap=2.0) ** 2).sum())(logits)
+    want = mx.grad(lambda a: ((mx.tanh(a / 2.0) * 2.0) ** 2).sum())(logits)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
     gate, up = random((3, 50)), random((3, 50))
     got = mx.grad(lambda g, u: (K.silu_mul(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
     want = mx.grad(lambda g, u: ((g * mx.sigmoid(g) * u) ** 2).sum(), argnums=(0, 1))(gate, up)
@@ -636,6 +683,7 @@ def test_pointwise_gradients_are_mlx_s():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: K.matvec(random((2, 5)), random((3, 6))), "matvec needs x"),
+    (lambda: K.soft_cap(random((2, 5)), cap=0.0), "a cap above 0"),
     (lambda: K.matvec(random((2, 5)), mx.zeros((3, 5), dtype=mx.int32)), "float32, float16 or bfloat16"),
     (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=32, bits=3), "bits must be 4 or 8"),
     (lambda: K.quantized_matvec(random((1, 64)), *quantized(8, 64, 32, 4), group_size=16, bits=4), "group_size must be"),

@@ -60,6 +60,8 @@ NB_MODULE(_kernels, m) {
         "mx.logsumexp(x, axis=-1, keepdims=True) in one pass per row.");
   m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up in float32.");
+  m.def("soft_cap", &k::soft_cap, "x"_a, nb::kw_only(), "cap"_a, "stream"_a = nb::none(),
+        "cap * tanh(x / cap) in float32.");
   m.def("isa", [] { return std::string(k::best_kernels().name); },
         "The instruction set in use (ValueError when MLX_TFM_KERNELS_ISA cannot be honoured).");
   m.def("isa_request_error", &k::isa_request_error,
@@ -68,6 +70,6 @@ NB_MODULE(_kernels, m) {
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,
   // so a library built from older sources is not used until it is rebuilt.
-  m.attr("interface") = 3;
+  m.attr("interface") = 4;
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
 }

@@ -86,6 +86,8 @@ struct Kernels {
   void (*to_float32_rows)(const void* from, Real type, int64_t k, float* out, int64_t r0, int64_t r1);
   // n float32 values rounded to `type` (float16 or bfloat16; float32: copied) into `to`.
   void (*from_float32)(const float* from, Real type, void* to, int64_t n);
+  // out (n) = cap * tanh(x / cap), float32.
+  void (*soft_cap)(const float* x, float cap, float* out, int64_t n);
 };
 
 namespace avx512 { const Kernels& kernels(); }

@@ -515,6 +515,21 @@ void silu_multiplied(const mx::array& gate, const mx::array& up, mx::array& out)
   store(y, out);
 }
 
+void soft_capped(const mx::array& x, float cap, mx::array& out) {
+  const int64_t n = x.size();
+  const float* v = as_float32(x);
+  float* y = result_buffer(out);
+  const Kernels& kernels = best_kernels();
+  // Pieces of at least 16K values, as silu_multiplied's: one position's logits stay on this thread.
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
+  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  parallel_for(tasks, [&](int64_t t) {
+    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
+    if (i0 < i1) kernels.soft_cap(v + i0, cap, y + i0, i1 - i0);
+  });
+  store(y, out);
+}
+
 // -- checks a caller's arguments get -----------------------------------------------------
 
 mx::Stream cpu_stream(mx::StreamOrDevice s) {
@@ -766,6 +781,17 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevic
                    std::make_shared<SiluMul>(stream, reference), {gate, up});
 }
 
+mx::array soft_cap(const mx::array& x, float cap, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  if (!(cap > 0.0f)) throw std::invalid_argument("mlx_tfm kernels: soft_cap needs a cap above 0");
+  const mx::Stream stream = cpu_stream(s);
+  auto reference = [stream, cap](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{mx::multiply(mx::tanh(mx::divide(in[0], mx::array(cap, in[0].dtype()), stream), stream),
+                                               mx::array(cap, in[0].dtype()), stream)};
+  };
+  return mx::array(x.shape(), x.dtype(), std::make_shared<SoftCap>(stream, reference, cap), {x});
+}
+
 // -- primitives ---------------------------------------------------------------------------
 
 namespace {
@@ -874,6 +900,17 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& o) { silu_multiplied(in[0], in[1], o); },
       /*donor=*/0);
 }
+
+// Written over x when nothing else reads it: the logits of a prompt are the largest
+// activation there is, and the capped ones replace them.
+void SoftCap::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const float cap = cap_;
+  dispatch(
+      stream(), inputs, out, [cap](const std::vector<mx::array>& in, mx::array& o) { soft_capped(in[0], cap, o); },
+      /*donor=*/0);
+}
+
+bool SoftCap::is_equivalent(const mx::Primitive& other) const { return cap_ == static_cast<const SoftCap&>(other).cap_; }
 
 void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());

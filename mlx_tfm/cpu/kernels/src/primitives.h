@@ -56,6 +56,9 @@ mx::array logsumexp(const mx::array& x, mx::StreamOrDevice s = {});
 // silu(gate) * up, elementwise (SwiGLU's activation), computed in float32.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// cap * tanh(x / cap), elementwise (Gemma's soft cap on logits), computed in float32.
+mx::array soft_cap(const mx::array& x, float cap, mx::StreamOrDevice s = {});
+
 // RoPE applied to the first two products of a decoding step (queries and keys): mx.fast.rope's
 // dims, traditional and scale, with `freqs` periods and positions `offset` (one, or one per row).
 struct RopeSettings {
@@ -158,6 +161,17 @@ class SiluMul : public Pointwise {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "MlxTfmSiluMul"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+class SoftCap : public Pointwise {
+ public:
+  SoftCap(mx::Stream stream, Reference reference, float cap) : Pointwise(stream, std::move(reference)), cap_(cap) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "MlxTfmSoftCap"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float cap_;
 };
 
 class Attention : public Pointwise {

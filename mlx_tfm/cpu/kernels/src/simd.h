@@ -91,6 +91,8 @@ inline F clamp(F v, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(v, 
 inline F round_nearest(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // v * 2^n for whole-number n.
 inline F times_power_of_two(F v, F n) { return _mm512_scalef_ps(v, n); }
+// `result` where x is a number, x itself where it is NaN (so a NaN survives a clamp).
+inline F nan_from(F x, F result) { return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
 #elif defined(MLX_TFM_ISA_AVX2)
@@ -165,6 +167,7 @@ inline F times_power_of_two(F v, F n) {
   __m256i shift = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(v), shift));
 }
+inline F nan_from(F x, F result) { return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
 #else  // portable: fixed-size arrays the compiler vectorizes (NEON on arm64, SSE2 on x86-64)
@@ -258,6 +261,10 @@ inline F round_nearest(F a) {
 inline F times_power_of_two(F a, F n) {
   for (int i = 0; i < LANES; ++i) a.v[i] = __builtin_ldexpf(a.v[i], static_cast<int>(n.v[i]));
   return a;
+}
+inline F nan_from(F x, F result) {
+  for (int i = 0; i < LANES; ++i) result.v[i] = x.v[i] != x.v[i] ? x.v[i] : result.v[i];
+  return result;
 }
 }  // namespace mlx_tfm_kernels::ISA_NAMESPACE::simd
 
