@@ -9,6 +9,7 @@
 #include "mlx/version.h"
 
 #include "isa.h"
+#include "deltanet_op.h"
 #include "kernels.h"
 #include "pool.h"
 #include "primitives.h"
@@ -62,6 +63,11 @@ NB_MODULE(_kernels, m) {
         "silu(gate) * up in float32.");
   m.def("soft_cap", &k::soft_cap, "x"_a, nb::kw_only(), "cap"_a, "stream"_a = nb::none(),
         "cap * tanh(x / cap) in float32.");
+  m.def("delta_rule_chunked", &k::delta_rule_chunked, "queries"_a, "keys"_a, "values"_a, "g"_a, "beta"_a, "state"_a,
+        nb::kw_only(), "chunk_size"_a, "stream"_a = nb::none(),
+        "The gated delta rule over queries, keys (B, H, L, Dk), values (B, H, L, Dv), g, beta (B, H, L) from state "
+        "(B, H, Dk, Dv), chunk_size positions at a time: [out (B, H, L, Dv), the final state]. No gradient of its "
+        "own (mlx_tfm.cpu.deltanet gives it the plain route's).");
   m.def("isa", [] { return std::string(k::best_kernels().name); },
         "The instruction set in use (ValueError when MLX_TFM_KERNELS_ISA cannot be honoured).");
   m.def("isa_request_error", &k::isa_request_error,
@@ -70,6 +76,6 @@ NB_MODULE(_kernels, m) {
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,
   // so a library built from older sources is not used until it is rebuilt.
-  m.attr("interface") = 4;
+  m.attr("interface") = 5;
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
 }
