@@ -23,7 +23,8 @@ one of ``--prompt-tokens``, so a 4,096-token prompt is not read once more for it
 that row alone).
 
 ``--forms``: the delta rule of one layer reading a 2,000-position prompt chunk by chunk and
-position by position (the two forms of model/deltanet.py), at this model's 16 value heads of
+position by position (the two forms of model/deltanet.py; the chunked one also in MLX ops
+where the CPU kernel runs it), at this model's 16 value heads of
 128 and at Qwen3-Next's 32 (in chunks of 16, the layers' default, or of each of
 ``--forms-chunks``), and the same for Mamba-2's SSD scan (model/ssd.py) at
 ``SSD_FORMS`` sizes; ``--forms-only``: that alone.
@@ -156,12 +157,14 @@ def fastest_alternating(forms: dict, inputs: tuple, repeats: int) -> dict[str, f
 
 
 def compare_forms(n_heads: int, head_dim: int, chunk_size: int = 16, length: int = 2000,
-                  repeats: int = 3) -> tuple[float, float]:
+                  repeats: int = 3) -> dict[str, float]:
     """Seconds for the delta rule of one layer (``n_heads`` value heads, keys and values of
-    ``head_dim``) to read ``length`` positions: (chunked in chunks of ``chunk_size``, the
-    layers' ``linear_chunk_size``, stepped), best of ``repeats``. The projections and the
-    convolution around it are the same work in both forms, so they are left out."""
-    from mlx_tfm.model.deltanet import delta_rule_chunked, delta_rule_steps, l2_normalised
+    ``head_dim``) to read ``length`` positions, best of ``repeats``, per form: "chunked" in
+    chunks of ``chunk_size`` (the layers' ``linear_chunk_size``) as a prompt runs it (the CPU
+    kernel where it runs), "plain chunked" in MLX ops (as Metal and CUDA run it), "stepped"
+    as decoding runs it. The projections and the convolution around it are the same work in
+    every form, so they are left out."""
+    from mlx_tfm.model.deltanet import delta_rule_chunked, delta_rule_steps, l2_normalised, plain_delta_rule_chunked
 
     H, D = n_heads, head_dim
     queries = l2_normalised(mx.random.normal((1, H, length, D))) * D ** -0.5
@@ -170,9 +173,10 @@ def compare_forms(n_heads: int, head_dim: int, chunk_size: int = 16, length: int
     g, beta = -mx.random.uniform(0, 1, (1, H, length)), mx.random.uniform(0, 1, (1, H, length))
     inputs = (queries, keys, values, g, beta, mx.zeros((1, H, D, D)))
     mx.eval(inputs)
-    chunked = lambda *a: delta_rule_chunked(*a, chunk_size)  # noqa: E731
-    best = fastest_alternating({"chunked": chunked, "stepped": delta_rule_steps}, inputs, repeats)
-    return best["chunked"], best["stepped"]
+    forms = {"chunked": lambda *a: delta_rule_chunked(*a, chunk_size),
+             "plain chunked": lambda *a: plain_delta_rule_chunked(*a, chunk_size),
+             "stepped": delta_rule_steps}
+    return fastest_alternating(forms, inputs, repeats)
 
 
 def compare_ssd_forms(n_heads: int, head_dim: int, state_size: int, chunk_size: int, length: int = 2000,
@@ -211,10 +215,11 @@ def print_forms(text: dict, chunk_sizes: list[int]) -> None:
     D = text["linear_key_head_dim"]
     for n_heads in FORMS_HEADS if text is TEXT else (text["linear_num_value_heads"],):
         for chunk_size in chunk_sizes:
-            chunked, stepped = compare_forms(n_heads, D, chunk_size)
-            print(f"the delta rule of one layer ({n_heads} heads of {D}), 2000 positions: chunked "
-                  f"(chunks of {chunk_size}) {chunked:.3f} s, stepped {stepped:.3f} s ({stepped / chunked:.1f}x)",
-                  flush=True)
+            best = compare_forms(n_heads, D, chunk_size)
+            chunked, plain, stepped = best["chunked"], best["plain chunked"], best["stepped"]
+            print(f"the delta rule of one layer ({n_heads} heads of {D}), 2000 positions, chunks of {chunk_size}: "
+                  f"chunked {chunked:.3f} s ({stepped / chunked:.1f}x), in MLX ops {plain:.3f} s "
+                  f"({stepped / plain:.1f}x), stepped {stepped:.3f} s", flush=True)
     for n_heads, head_dim, state_size, chunk_size in SSD_FORMS if text is TEXT else ((4, 16, 16, 64),):
         chunked, stepped = compare_ssd_forms(n_heads, head_dim, state_size, chunk_size)
         print(f"the SSD scan of one layer ({n_heads} heads of {head_dim}, state {state_size}, chunks of "

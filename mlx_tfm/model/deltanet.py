@@ -37,6 +37,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cpu import deltanet as cpu_deltanet
 from ..errors import UserError
 from .config import ModelArgs
 from .state_cache import StateCache
@@ -216,7 +217,16 @@ def compensated_cumsum(g: mx.array) -> tuple[mx.array, mx.array]:
 
 def delta_rule_chunked(queries, keys, values, g, beta, state, chunk_size: int = 16):
     """The recurrence ``chunk_size`` positions at a time: the same numbers as
-    ``delta_rule_steps`` (same arguments and results), in L / chunk_size sequential steps."""
+    ``delta_rule_steps`` (same arguments and results), in L / chunk_size sequential steps;
+    on the CPU one kernel call (cpu/deltanet.py), elsewhere ``plain_delta_rule_chunked``."""
+    if cpu_deltanet.takes(g):
+        return cpu_deltanet.delta_rule_chunked(plain_delta_rule_chunked, queries, keys, values, g, beta, state,
+                                               chunk_size)
+    return plain_delta_rule_chunked(queries, keys, values, g, beta, state, chunk_size)
+
+
+def plain_delta_rule_chunked(queries, keys, values, g, beta, state, chunk_size: int = 16):
+    """``delta_rule_chunked`` in MLX ops: what Metal and CUDA run, and its gradients."""
     L = queries.shape[2]
     chunked = [padded_to_chunks(t, chunk_size) for t in (queries, keys, values, g, beta)]
     new_values, decayed_keys, within, reading, writing, chunk_decay = chunk_terms(*chunked)
