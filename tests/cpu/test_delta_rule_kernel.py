@@ -94,6 +94,7 @@ def test_gradients_are_the_plain_route_s(monkeypatch):
 
 CHECK = """
 import mlx.core as mx, numpy as np
+from mlx_tfm.cpu.kernels import kernels
 from mlx_tfm.model.deltanet import delta_rule_chunked, plain_delta_rule_chunked, l2_normalised
 assert kernels().isa() == "{isa}", kernels().isa()
 mx.random.seed(1)
