@@ -23,8 +23,9 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 
         "mrope_interleaved": True}
 # A float32 run of the delta rule (chunked or step by step) lands up to about 2e-4 from the
 # float64 logits on random models like these (test_hybrid_families.py allows Qwen3-Next 3e-4
-# likewise; this one's forward lands 1.3e-4 away); a wrong position is ~0.2 off.
-DELTA_RULE_ATOL = 3e-4
+# likewise; this one's forward lands 1.3e-4 away on one VM, 4.1e-4 on an AMD EPYC whose OpenBLAS
+# runs its Haswell kernels); a wrong position is ~0.2 off.
+DELTA_RULE_ATOL = 5e-4
 VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 
