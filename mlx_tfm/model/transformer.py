@@ -365,7 +365,7 @@ class Model(nn.Module):
         if self.args.logit_scale != 1.0:
             logits = logits * self.args.logit_scale
         cap = self.args.final_logit_softcapping
-        if cap and cpu_pointwise.in_use():  # MLX's CPU tanh is a scalar loop on one thread
+        if cap and cap > 0 and cpu_pointwise.in_use():  # MLX's CPU tanh is a scalar loop on one thread
             return cpu_pointwise.soft_cap(logits, cap)
         if cap:
             logits = mx.tanh(logits / cap) * cap

@@ -11,6 +11,7 @@
 #include "deltanet_op.h"
 #include "kernels.h"
 #include "pool.h"
+#include "primitives.h"
 
 namespace mlx_tfm_kernels {
 
@@ -150,17 +151,11 @@ std::vector<mx::array> delta_rule_chunked(const mx::array& queries, const mx::ar
 }
 
 void DeltaRuleChunked::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  for (auto& out : outputs) encoder.set_output_array(out);
-  std::vector<mx::array> held, outs;
-  for (const auto& in : inputs) held.push_back(mx::array::unsafe_weak_copy(in));
-  for (const auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
   const int chunk_size = chunk_size_;
-  encoder.dispatch([held = std::move(held), outs = std::move(outs), chunk_size]() mutable {
-    delta_rule(held, outs, chunk_size);
-  });
+  dispatch_outputs(stream(), inputs, outputs,
+                   [chunk_size](const std::vector<mx::array>& held, std::vector<mx::array>& outs) {
+                     delta_rule(held, outs, chunk_size);
+                   });
 }
 
 void DeltaRuleChunked::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -499,19 +499,25 @@ void logsumexp_of_rows(const mx::array& x, mx::array& out) {
   store(y, out);
 }
 
+// compute(i0, i1) over n elementwise values in pieces of at least 16K values on the pool (a
+// decoding step's few thousand stay on this thread), each piece a whole number of 64.
+template <class Compute>
+void in_value_pieces(int64_t n, Compute compute) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
+  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  parallel_for(tasks, [&](int64_t t) {
+    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
+    if (i0 < i1) compute(i0, i1);
+  });
+}
+
 void silu_multiplied(const mx::array& gate, const mx::array& up, mx::array& out) {
   const int64_t n = gate.size();
   const float* g = as_float32(gate);
   const float* u = as_float32(up, SECOND);
   float* y = result_buffer(out);
   const Kernels& kernels = best_kernels();
-  // Pieces of at least 16K values: a decoding step's few thousand stay on this thread.
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
-  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
-  parallel_for(tasks, [&](int64_t t) {
-    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
-    if (i0 < i1) kernels.silu_mul(g + i0, u + i0, y + i0, i1 - i0);
-  });
+  in_value_pieces(n, [&](int64_t i0, int64_t i1) { kernels.silu_mul(g + i0, u + i0, y + i0, i1 - i0); });
   store(y, out);
 }
 
@@ -520,13 +526,7 @@ void soft_capped(const mx::array& x, float cap, mx::array& out) {
   const float* v = as_float32(x);
   float* y = result_buffer(out);
   const Kernels& kernels = best_kernels();
-  // Pieces of at least 16K values, as silu_multiplied's: one position's logits stay on this thread.
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
-  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
-  parallel_for(tasks, [&](int64_t t) {
-    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
-    if (i0 < i1) kernels.soft_cap(v + i0, cap, y + i0, i1 - i0);
-  });
+  in_value_pieces(n, [&](int64_t i0, int64_t i1) { kernels.soft_cap(v + i0, cap, y + i0, i1 - i0); });
   store(y, out);
 }
 
@@ -912,18 +912,26 @@ void SoftCap::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 
 bool SoftCap::is_equivalent(const mx::Primitive& other) const { return cap_ == static_cast<const SoftCap&>(other).cap_; }
 
-void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
+void dispatch_outputs(mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                      OutputsCompute compute) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
   for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (auto& out : outputs) encoder.set_output_array(out);
   std::vector<mx::array> held, outs;
   for (const auto& in : inputs) held.push_back(mx::array::unsafe_weak_copy(in));
   for (const auto& out : outputs) outs.push_back(mx::array::unsafe_weak_copy(out));
+  encoder.dispatch([held = std::move(held), outs = std::move(outs), compute = std::move(compute)]() mutable {
+    compute(held, outs);
+  });
+}
+
+void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const int group_size = group_size_, bits = bits_;
   const bool gated = gated_;
   const RopeSettings rope = rope_;
-  encoder.dispatch([held = std::move(held), outs = std::move(outs), group_size, bits, gated, rope]() mutable {
+  dispatch_outputs(stream(), inputs, outputs, [group_size, bits, gated, rope](const std::vector<mx::array>& held,
+                                                                              std::vector<mx::array>& outs) {
     const size_t count = gated ? 2 : outs.size();
     std::vector<std::vector<float>> buffers(count);
     std::vector<float*> ys(count);

@@ -79,6 +79,12 @@ std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::
                                       const std::optional<mx::array>& freqs = std::nullopt, RopeSettings rope = {},
                                       mx::StreamOrDevice s = {});
 
+// Runs compute(inputs, outputs) on the stream's CPU encoder after MLX's other work there,
+// the outputs given fresh buffers: the body of a multi-output primitive's eval_cpu.
+using OutputsCompute = std::function<void(const std::vector<mx::array>&, std::vector<mx::array>&)>;
+void dispatch_outputs(mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                      OutputsCompute compute);
+
 // Gradients through MLX's own ops: those of `reference` (the same computation in MLX ops)
 // with respect to the float inputs among argnums; zeros for integer inputs.
 using Reference = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
