@@ -81,11 +81,13 @@ def test_bad_choices_are_named(arguments, message, tmp_path):
 
 def test_the_forms_are_timed_at_each_chunk_size_asked_for(hybrid, monkeypatch, capsys):
     asked = []
-    monkeypatch.setattr(hybrid, "compare_forms", lambda heads, dim, chunk: asked.append((heads, chunk)) or (1.0, 12.0))
+    monkeypatch.setattr(hybrid, "compare_forms", lambda heads, dim, chunk: asked.append((heads, chunk)) or {
+        "chunked": 1.0, "plain chunked": 4.0, "stepped": 12.0})
     monkeypatch.setattr(hybrid, "compare_ssd_forms", lambda *sizes: (1.0, 11.0))
     monkeypatch.setattr(sys, "argv", ["benchmark_hybrid.py", "--forms-only", "--forms-chunks", "16,32"])
     hybrid.main()
     assert asked == [(16, 16), (16, 32), (32, 16), (32, 32)]
     out = capsys.readouterr().out
-    assert "(16 heads of 128), 2000 positions: chunked (chunks of 32) 1.000 s, stepped 12.000 s (12.0x)" in out
+    assert ("(16 heads of 128), 2000 positions, chunks of 32: chunked 1.000 s (12.0x), in MLX ops 4.000 s (3.0x), "
+            "stepped 12.000 s") in out
     assert out.count("the SSD scan of one layer") == len(hybrid.SSD_FORMS)

@@ -222,7 +222,8 @@ def test_qwen_next_gguf_reads_back_the_checkpoint_over_several_chunks(case, tmp_
     for name, tensor in direct.items():  # A_log's exp and log round trip is the one inexact step
         np.testing.assert_allclose(np.array(ours[name]), np.array(tensor), atol=1e-6, rtol=1e-6, err_msg=name)
     from_gguf = logits_of(tmp_path / "out", LONG_PROMPT)
-    np.testing.assert_allclose(from_gguf, logits_of(tmp_path / "direct", LONG_PROMPT), atol=1e-5, rtol=0)
+    # A_log's round trip (1e-6) through every decay of the prompt: up to 1.05e-5 apart in the CPU kernel's float32
+    np.testing.assert_allclose(from_gguf, logits_of(tmp_path / "direct", LONG_PROMPT), atol=2e-5, rtol=0)
     np.testing.assert_allclose(from_gguf, float64_logits(hf, LONG_PROMPT), atol=5e-4, rtol=0)
 
 
