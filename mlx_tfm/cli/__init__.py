@@ -13,6 +13,7 @@ import sys
 
 from ..errors import UserError
 from .flags import HelpFormatter, mark_free_text
+from .interrupts import forget_handled_interrupts, hold_interrupts_in_extension_imports
 
 SUBCOMMANDS = {
     "info": "mlx_tfm.cli.info",
@@ -68,7 +69,13 @@ def build_parser(modules: dict) -> tuple[argparse.ArgumentParser, dict[str, argp
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    hold_interrupts_in_extension_imports()
+    code = command_status(sys.argv[1:] if argv is None else argv)
+    forget_handled_interrupts()  # the status is ``code``, whatever Ctrl-C the command caught on the way
+    return code
+
+
+def command_status(argv: list[str]) -> int:
     try:
         parser, args = parsed(argv)
     except KeyboardInterrupt:  # Ctrl-C while the command's modules are still being imported

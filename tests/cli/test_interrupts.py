@@ -44,8 +44,11 @@ def interrupted(process: subprocess.Popen) -> tuple[int, str]:
     return process.returncode, err.decode()
 
 
-@pytest.mark.parametrize("after_mlx_s", [0.0, 0.1, 0.3, None], ids=["importing", "0.1s-later", "0.3s-later",
-                                                                 "streaming"])
+# 5-20 ms after libmlx is mapped, mlx.core's initialisation runs Python code (its enums): an
+# interrupt there once aborted the process, was lost, or ended it as killed by SIGINT
+@pytest.mark.parametrize("after_mlx_s", [0.0, 0.005, 0.01, 0.02, 0.1, 0.3, None],
+                         ids=["importing", "mlx-init-5ms", "mlx-init-10ms", "mlx-init-20ms", "0.1s-later",
+                              "0.3s-later", "streaming"])
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, after_mlx_s):
     """MLX mapped into the process marks the command line's own imports (the parser is
     being built); the moments after it are the rest of the imports, loading the model and
@@ -63,3 +66,38 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, after_mlx_s):
         process.kill()
     assert code == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+
+
+def test_an_interrupt_inside_a_held_block_comes_after_it():
+    from mlx_tfm.cli.interrupts import interrupts_held
+
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            finished = True  # the block is not cut short
+    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+CAUGHT_IN_EXEC = """
+import signal, sys
+from mlx_tfm.cli.interrupts import forget_handled_interrupts
+try:
+    exec("import signal; signal.raise_signal(signal.SIGINT)")  # as a dataclass or a jinja2 template runs
+except KeyboardInterrupt:
+    pass
+if sys.argv[1] == "forget":
+    forget_handled_interrupts()
+sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_a_caught_interrupt_leaves_the_status_alone_once_forgotten(tmp_path, forget):
+    """Under ``python -m`` CPython ends a process by SIGINT when a KeyboardInterrupt passed
+    through exec'd code, even caught; the command line forgets it before it returns."""
+    (tmp_path / "caught_in_exec.py").write_text(CAUGHT_IN_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-m", "caught_in_exec", "forget" if forget else "keep"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == (130 if forget else -signal.SIGINT), done.stderr
