@@ -211,12 +211,22 @@ class LatentAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
         """Attention in latent space: scores ``(q_nope W_k^T) . latent + q_pe . k_pe``, the
-        weighted sum of latents, then ``W_v``. Reads a ``QuantizedKV`` cache as it is."""
-        L, S = q_nope.shape[2], cached_length(k_pe)
+        weighted sum of latents, then ``W_v``. Reads a ``QuantizedKV`` cache as it is.
+
+        Every head's queries are rows of one product against the shared latents: as a
+        broadcast over heads, (B, H, L, R) @ (B, 1, R, S) is one product per head, each
+        reading the whole cache again (H times the memory traffic of one)."""
+        B, H, L = q_nope.shape[:3]
+        S = cached_length(k_pe)
+
+        def as_rows(t: mx.array) -> mx.array:  # (B, H, L, d) -> (B, 1, H * L, d)
+            return t.reshape(B, 1, H * L, t.shape[-1])
+
         q_latent = self.embed_q(q_nope) * self.scale  # (B, H, L, R)
-        scores = times_keys(q_latent, latent) + times_keys(q_pe * self.scale, k_pe)  # (B, H, L, S)
+        scores = times_keys(as_rows(q_latent), latent) + times_keys(as_rows(q_pe * self.scale), k_pe)
+        scores = scores.reshape(B, H, L, S)  # (B, 1, H * L, S) -> (B, H, L, S)
         weights = mx.softmax(masked(scores, visible(mask, L, S)), axis=-1, precise=True)
-        summed = weights_times(weights, latent)  # (B, H, L, R)
+        summed = weights_times(as_rows(weights), latent).reshape(B, H, L, -1)  # (B, 1, H * L, R) -> (B, H, L, R)
         return self.unembed_out(summed)
 
 
