@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from fixtures.convert_helpers import TINY_CONFIGS
-from fixtures.qwen_vision_models import GRIDS, IMAGE_TOKEN, SPECIAL_TOKENS, image_prompt, perturb, random_pixel_values
+from fixtures.qwen_vision_models import (GRIDS, IMAGE_TOKEN, QWEN3_5_ROPE, QWEN3_5_STYLES, hf_qwen3_5_model,
+                                         image_prompt, random_pixel_values)
 
 from mlx_tfm.generation.images import ImageBoundModel
 from mlx_tfm.loading import load_model
@@ -16,29 +17,18 @@ from mlx_tfm.model.vision_language import VisionLanguageModel
 
 PROMPT = image_prompt(GRIDS, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
 ANSWER = [20, 21, 22, 23]
-# head_dim 16, half of it turned: 4 frequencies, interleaved t, h, w, t
-ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True}
 # A float32 run of the delta rule (chunked or step by step) lands up to about 2e-4 from the
 # float64 logits on random models like these (test_hybrid_families.py allows Qwen3-Next 3e-4
 # likewise; this one's forward lands 1.3e-4 away on one VM, 4.1e-4 on an AMD EPYC whose OpenBLAS
 # runs its Haswell kernels); a wrong position is ~0.2 off.
 DELTA_RULE_ATOL = 5e-4
-VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
-              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 
 
-@pytest.fixture(params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(params=QWEN3_5_STYLES)
 def qwen3_5_folder(request, tmp_path):
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    name = request.param
-    text = {**TINY_CONFIGS[name]["text_config"], "rope_parameters": ROPE}
-    config = AutoConfig.for_model(name, text_config=text, vision_config=VISION, **SPECIAL_TOKENS)
-    torch.manual_seed(0)  # the initial values perturb moves the norms and gates from are drawn too
-    hf_model = perturb(AutoModelForImageTextToText.from_config(config, attn_implementation="eager"))
-    hf_model.save_pretrained(tmp_path / name)
-    return tmp_path / name, hf_model
+    hf_model = hf_qwen3_5_model(request.param)
+    hf_model.save_pretrained(tmp_path / request.param)
+    return tmp_path / request.param, hf_model
 
 
 def hf_logits(hf_model, ids: list[int], pixel_values: np.ndarray) -> np.ndarray:
@@ -80,7 +70,7 @@ def test_published_sections_on_a_narrower_rotary_turn_as_transformers_turns_them
     from mlx_tfm.model.mrope import frequency_axes
 
     config = Qwen3_5TextConfig(**{**TINY_CONFIGS["qwen3_5_text"], "head_dim": 32,
-                                  "rope_parameters": {**ROPE, "mrope_section": [11, 11, 10]}})
+                                  "rope_parameters": {**QWEN3_5_ROPE, "mrope_section": [11, 11, 10]}})
     rotary = Qwen3_5TextRotaryEmbedding(config)
     base = torch.zeros(3, 1, 1, dtype=torch.long)
     _, sin0 = rotary(torch.zeros(1), base)
