@@ -105,7 +105,7 @@ def test_on_disk_layout_is_mlx_lms(tmp_path):
         np.testing.assert_array_equal(np.array(again[name]), np.array(written[name]), err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_mlx_lm_reads_the_long_prompt_as_we_do(name, tmp_path):
     """mlx-lm runs the rule position by position, we chunk by chunk; both in float32, each
     within 1e-4 of the float64 values (the test above), so within 2e-4 of each other."""

@@ -15,6 +15,7 @@ from fixtures.qwen_vision_models import IMAGE, PROMPT, QWEN3_5_STYLES, hf_inputs
 
 from mlx_tfm import load
 from mlx_tfm.convert.converter import convert
+from mlx_tfm.errors import UserError
 from mlx_tfm.generation.images import bind_images, image_prompt_text
 from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.weights.files import read_checkpoint
@@ -125,3 +126,24 @@ def test_convert_quantizes_the_language_model_and_keeps_the_tower(qwen3_5_folder
                      "--prompt", "Describe this picture.", "--max-tokens", "4", "--verbose", "false")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected.strip()
+
+
+def test_images_for_a_folder_that_cannot_read_them_are_one_line(qwen3_5_folder, tmp_path):
+    """A folder as mlx-lm's conversion writes it (no tower, no vision_config: loaded by
+    tests/families/test_hybrid_families.py) reads text only; a folder without
+    preprocessor_config.json cannot prepare images."""
+    import json
+    import shutil
+
+    folder = qwen3_5_folder[0]
+    text_only = convert(folder, tmp_path / "text-only", **QUIET)
+    config = json.loads((text_only / "config.json").read_text())
+    (text_only / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "vision_config"}))
+    weights = mx.load(str(text_only / "model.safetensors"))
+    mx.save_safetensors(str(text_only / "model.safetensors"),
+                        {name: w for name, w in weights.items() if not name.startswith("model.visual.")})
+    with pytest.raises(UserError, match=r"^this model \(qwen3_5(_moe)?\) reads text only: it takes no images$"):
+        generate(*load(text_only), PROMPT, images=two_images(), max_tokens=1)
+    shutil.copytree(folder, tmp_path / "bare", ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    with pytest.raises(UserError, match="has no preprocessor_config.json, so its images cannot be prepared"):
+        generate(*load(tmp_path / "bare"), PROMPT, images=two_images(), max_tokens=1)
