@@ -128,6 +128,22 @@ def test_convert_quantizes_the_language_model_and_keeps_the_tower(qwen3_5_folder
     assert result.stdout.strip() == expected.strip()
 
 
+def test_a_bfloat16_conversion_keeps_the_tower_in_16_bits_and_quantize_vision_quantizes_it(qwen3_5_folder, tmp_path):
+    """As the hub's bfloat16 checkpoints convert: -q leaves the tower in bfloat16;
+    --quantize-vision quantizes its blocks and merger too (the Conv3d kernel stays whole)."""
+    folder = qwen3_5_folder[0]
+    half = convert(folder, tmp_path / "bf16-q4", quantize=True, q_group_size=32, dtype="bfloat16", **QUIET)
+    _, weights = read_checkpoint(half)
+    tower = {name: w for name, w in weights.items() if name.startswith("model.visual.")}
+    assert {w.dtype for w in tower.values()} == {mx.bfloat16} and not any(n.endswith(".scales") for n in tower)
+    assert isinstance(generate(*load(half), PROMPT, images=two_images(), max_tokens=2), str)
+    whole = convert(folder, tmp_path / "qv", quantize=True, q_group_size=32, quantize_vision=True, **QUIET)
+    _, weights = read_checkpoint(whole)
+    assert "model.visual.blocks.0.attn.qkv.scales" in weights and "model.visual.merger.linear_fc1.scales" in weights
+    assert weights["model.visual.patch_embed.proj.weight"].ndim == 5
+    assert isinstance(generate(*load(whole), PROMPT, images=two_images(), max_tokens=2), str)
+
+
 def test_images_for_a_folder_that_cannot_read_them_are_one_line(qwen3_5_folder, tmp_path):
     """A folder as mlx-lm's conversion writes it (no tower, no vision_config: loaded by
     tests/families/test_hybrid_families.py) reads text only; a folder without
