@@ -38,7 +38,8 @@ class ChatImages:
         its digest. A text-only model, a missing file or a non-image is a ``UserError``."""
         check_takes_images(self.model, self.processor)
         if isinstance(self.processor, QwenVisionProcessor):  # its M-RoPE positions are not in the session yet
-            raise UserError(f"{self.model.args.model_type}'s images are not in the chat yet: use mlx-tfm generate --image")
+            raise UserError(f"{self.model.args.model_type}'s images are not in the chat yet: "
+                            "use mlx-tfm generate --image")
         inputs = read_images(self.processor, [path])
         digest = inputs.digests[0]
         self.paths.setdefault(digest, str(path))
