@@ -38,6 +38,7 @@ from .more_decoders import MORE_DECODERS
 from .more_mixtures import MORE_MIXTURES
 from .not_yet import NOT_YET
 from .pixtral import PIXTRAL_FAMILIES
+from .qwen3_5_vl import QWEN3_5_VL
 from .qwen_vl import QWEN_VL
 from .state_space import STATE_SPACE
 from .vision import VISION_LANGUAGE
@@ -52,6 +53,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **PIXTRAL_FAMILIES,  # mistral3 with its Pixtral tower: after MORE_DECODERS' text-only mistral3
     **LFM2_VL_FAMILIES,  # LFM2-VL: LFM2 with SigLIP2's NaFlex tower
     **GEMMA4_VISION_FAMILIES,  # gemma4 with its vision tower: after GEMMA4's text-only gemma4
+    **QWEN3_5_VL,  # qwen3_5, qwen3_5_moe with their tower: after HYBRIDS' language models alone
 }
 
 

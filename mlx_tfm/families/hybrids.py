@@ -63,18 +63,6 @@ def qwen3_5_moe_text_args(config: dict) -> dict:
     return {**hybrid_args(config), **shared_expert_args(config, norm_topk_prob=True)}
 
 
-def text_of(text_args):
-    """The language model of an image-text checkpoint: its ``text_config``."""
-
-    def args(config: dict) -> dict:
-        text = dict(config.get("text_config") or {})
-        if "tie_word_embeddings" in config:  # transformers ties by the outer config
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        return {**text_args(text), "model_type": config["model_type"]}
-
-    return args
-
-
 # -- layouts -----------------------------------------------------------------------------
 
 
@@ -91,19 +79,6 @@ def mlx_lm_norms_and_conv(weights: dict) -> dict:
             tensor = tensor + 1.0
         out[name] = tensor
     return out
-
-
-def image_text_layout(weights: dict) -> dict:
-    """transformers' image-text names (``model.language_model.*``, ``lm_head.*``) -> mlx-lm's
-    (``language_model.model.*``, ``language_model.lm_head.*``), then as the text models."""
-    out = {}
-    for name, tensor in weights.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("lm_head."):
-            name = "language_model." + name
-        out[name] = tensor
-    return mlx_lm_norms_and_conv(out)
 
 
 def text_experts(config: dict) -> dict:
@@ -144,11 +119,6 @@ def split_fused_projections(weights: dict, args: ModelArgs) -> dict:
 
 # Multi-token-prediction layers (``mtp.*``) are not part of the language model.
 HYBRID_DROPS = COMMON_DROPS + (r"mtp\..*",)
-IMAGE_TEXT_DROPS = HYBRID_DROPS + (r"model\.visual\..*", r"(model\.)?vision_tower\..*")
-IMAGE_TEXT_RENAMES = (
-    (r"language_model\.model\.(.*)", r"model.\1"),
-    (r"language_model\.lm_head\.(.*)", r"lm_head.\1"),
-)
 # Routers and shared-expert gates stay at 8 bits, as mlx-lm's quant_predicate keeps them.
 HYBRID_ROUTERS = r"(language_model\.)?model\.layers\.\d+\.mlp\.(gate|shared_expert_gate)"
 
@@ -158,17 +128,10 @@ def text_family(args, experts=None) -> Architecture:
                         experts=experts, routers=HYBRID_ROUTERS if experts else None)
 
 
-def image_text_family(args, experts=None) -> Architecture:
-    return Architecture(args=text_of(args), renames=IMAGE_TEXT_RENAMES, drops=IMAGE_TEXT_DROPS,
-                        layout=image_text_layout, rewrite=split_fused_projections, experts=experts,
-                        routers=HYBRID_ROUTERS if experts else None)
-
-
-# Hybrid linear-attention families, by model_type.
+# Hybrid linear-attention families, by model_type (Qwen3.5's image-text checkpoints, qwen3_5
+# and qwen3_5_moe, are qwen3_5_vl.py's).
 HYBRIDS: dict[str, Architecture] = {
     "qwen3_next": text_family(qwen3_next_args, hybrid_experts),
     "qwen3_5_text": text_family(hybrid_args),
     "qwen3_5_moe_text": text_family(qwen3_5_moe_text_args, hybrid_experts),
-    "qwen3_5": image_text_family(hybrid_args),
-    "qwen3_5_moe": image_text_family(qwen3_5_moe_text_args, hybrid_experts),
 }

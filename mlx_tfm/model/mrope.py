@@ -30,13 +30,17 @@ def rotate_by_angles(x: mx.array, angles: mx.array) -> mx.array:
     return mx.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def frequency_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.ndarray:
-    """Which axis (0 t, 1 h, 2 w) turns each frequency (sum(sections),): the sections one
-    run after another (Qwen2-VL), or interleaved t, h, w, t, h, w, ... with t taking what
-    is left at the end (Qwen3-VL: frequency 3k + 1 is h's while k < h's section, 3k + 2 w's)."""
+def frequency_axes(sections: tuple[int, ...], interleaved: bool = False, n_frequencies: int | None = None
+                   ) -> np.ndarray:
+    """Which axis (0 t, 1 h, 2 w) turns each of the ``n_frequencies`` (default
+    sum(sections)): the sections one run after another (Qwen2-VL), or interleaved t, h, w,
+    t, h, w, ... with t taking what is left at the end (Qwen3-VL: frequency 3k + 1 is h's
+    while k < h's section, 3k + 2 w's). Interleaved sections are read as transformers
+    slices them, so sections that overrun the frequencies are cut where they end: a config
+    that keeps Qwen3.5's published (11, 11, 10) on a narrower rotary loads as it runs there."""
     if not interleaved:
         return np.repeat(np.arange(len(sections)), sections)
-    axes = np.zeros(sum(sections), dtype=np.int64)
+    axes = np.zeros(sum(sections) if n_frequencies is None else n_frequencies, dtype=np.int64)
     for axis in (1, 2):
         axes[axis : 3 * sections[axis] : 3] = axis
     return axes
@@ -44,9 +48,9 @@ def frequency_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.n
 
 def section_angles(positions: mx.array, inv_freq: mx.array, sections: tuple[int, ...],
                    interleaved: bool = False) -> mx.array:
-    """positions (3, B, L) -> angles (B, L, sum(sections)): frequency i turns by the
+    """positions (3, B, L) -> angles (B, L, head_dim / 2): frequency i turns by the
     position of the axis whose section holds it (``frequency_axes``)."""
-    axis_of_frequency = frequency_axes(sections, interleaved)  # (head_dim / 2,)
+    axis_of_frequency = frequency_axes(sections, interleaved, inv_freq.shape[0])  # (head_dim / 2,)
     if len(axis_of_frequency) != inv_freq.shape[0]:
         raise ValueError(f"mrope_section {list(sections)} sums to {len(axis_of_frequency)}, "
                          f"not head_dim / 2 = {inv_freq.shape[0]}")
@@ -65,7 +69,7 @@ class MRoPE(RoPE):
         self.sections = tuple(sections)
         self.interleaved = interleaved
         self._inv_freq = mx.array((1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
-        section_angles(mx.zeros((3, 1, 1), mx.int32), self._inv_freq, self.sections)  # checks the sections
+        section_angles(mx.zeros((3, 1, 1), mx.int32), self._inv_freq, self.sections, interleaved)  # checks the sections
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not (isinstance(offset, mx.array) and offset.ndim == 3):  # an int, or per-row offsets (B,)

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlparse
 
 from ..engine.images import ImageInputs, joined, read_images
 from ..errors import UserError
+from ..tokenizer.qwen_processor import QwenVisionProcessor
 from ..tokenizer.vision_processor import VisionProcessor
 from .errors import APIError, invalid
 
@@ -52,7 +53,11 @@ def image_bytes(url: str, param: str, allow_local: bool) -> bytes | Path:
 
 
 def check_takes_images(serving, param: str) -> VisionProcessor:
-    """The serving model's processor, or a 400 when it reads text only."""
+    """The serving model's processor, or a 400 when it reads text only (or its images are
+    not in the batching engine yet)."""
+    if isinstance(serving.tokenizer, QwenVisionProcessor):  # the engine's rows carry no M-RoPE positions
+        raise invalid(param, f"{param}: {serving.model_type}'s images (M-RoPE positions) are not in the batching "
+                      "engine yet: use mlx-tfm generate --image", code="images_not_supported")
     if not isinstance(serving.tokenizer, VisionProcessor):
         raise invalid(param, f"{param}: this model ({serving.model_type or 'text-only'}) reads text only: it takes "
                       "no images", code="images_not_supported")

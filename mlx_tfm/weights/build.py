@@ -80,9 +80,17 @@ def _names(names: list[str], limit: int = 5) -> str:
 TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "embed_vision.")
 
 
+def without_tower(args: ModelArgs, named: dict) -> bool:
+    """Whether ``named`` is an image-text checkpoint's language model without its tower
+    (mlx-lm's conversions drop it, and some, Qwen3.5's, the vision_config too)."""
+    if any(name.startswith(TOWER_PREFIXES) for name in named):
+        return False
+    return args.vision is not None or any(name.startswith("language_model.") for name in named)
+
+
 def language_model_alone(args: ModelArgs, named: dict) -> tuple[ModelArgs, dict]:
-    """An image-text checkpoint without its tower (mlx-lm's conversions drop it): the
-    language model alone, its tensors under the text-only model's names."""
+    """An image-text checkpoint without its tower: the language model alone, its tensors
+    under the text-only model's names."""
     return dataclasses.replace(args, vision=None), {name.removeprefix("language_model."): w for name, w in named.items()}
 
 
@@ -95,7 +103,7 @@ def build_model(config: dict, weights: dict, source: Path | str, dtype: mx.Dtype
     tensors by the head counts the arguments hold."""
     args = model_args(config, source)
     named = map_weights(config, args, weights)
-    if args.vision is not None and not any(name.startswith(TOWER_PREFIXES) for name in named):
+    if without_tower(args, named):
         args, named = language_model_alone(args, named)
     model = empty_model(args, source)
     quantize_layers(model, config, named, source)

@@ -9,6 +9,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from fixtures.qwen_vision_models import qwen_vl_folder
 from fixtures.vision_images import two_images
 from fixtures.vision_serving import llava_folder
 
@@ -137,6 +138,16 @@ def test_bad_images_are_one_line_and_the_session_goes_on(llava, pictures, storie
     text_session = ChatSession(text_model, tokenizer, Settings(max_tokens=4), on_notice=lambda text: None)
     with pytest.raises(UserError, match="reads text only"):
         run_command(text_session, f"/image {paths[0]}")
+
+
+def test_qwen_images_are_refused_in_one_line(pictures, tmp_path):
+    """Qwen's images (here Qwen3.5's) need M-RoPE positions, which the session does not
+    carry yet: one line pointing to generate --image, and the session goes on."""
+    model, processor = load(qwen_vl_folder("qwen3_5", tmp_path)[0])
+    session = ChatSession(model, processor, Settings(max_tokens=2), on_notice=lambda text: None)
+    with pytest.raises(UserError, match=r"^qwen3_5's images are not in the chat yet: use mlx-tfm generate --image$"):
+        run_command(session, f"/image {pictures[0][0]}")
+    assert session.images.pending == []
 
 
 def test_image_in_the_repl(folder, llava, pictures):

@@ -1,7 +1,7 @@
 """mlx-vlm's folders (``mlx_vlm.convert``) load here with the same weights and logits, and our
-converted folders load in mlx-vlm, for LLaVA 1.5, Idefics3, SmolVLM and Gemma 3 (tiny
-random models of transformers, as tests/convert/test_convert_architectures.py does for
-mlx-lm)."""
+converted folders load in mlx-vlm, for LLaVA 1.5, Idefics3, SmolVLM, Gemma 3, Qwen3.5 and
+Qwen3.5-MoE (tiny random models of transformers, as tests/convert/test_convert_architectures.py
+does for mlx-lm)."""
 
 import json
 from pathlib import Path
@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from fixtures.vision_images import two_images
 from fixtures.vision_models import VISION_CONFIGS, make_vision_model
+from fixtures.qwen_vision_models import PROMPT as QWEN_PROMPT
+from fixtures.qwen_vision_models import QWEN3_5_STYLES, qwen_vl_folder
+from fixtures.qwen_vision_models import two_images as two_qwen_images
 from fixtures.vision_processors import word_tokenizer
 
 # family -> (the config key of its image token, that token's text, its processor_config.json)
@@ -162,3 +165,73 @@ def test_4_bit_folders_load_both_ways(family_folder, tmp_path):
         return
     np.testing.assert_allclose(mlx_vlm_logits(tmp_path / "ours-q4", family, ids, pixels),
                                our_logits(tmp_path / "ours-q4", ids, pixels), atol=1e-4, rtol=0)
+
+
+# -- Qwen3.5 and Qwen3.5-MoE: the tower takes patches with their grids --------------------
+
+# mlx-vlm's float32 run of Qwen3.5 lands up to ~3.2e-4 from ours, which is within 4.1e-5 of
+# transformers' float64 logits (tests/generation/test_qwen3_5_image_generation.py); on the
+# 4-bit folders the two land within 1e-4 of each other (measured 7.3e-5)
+MLX_VLM_QWEN3_5_ATOL = 5e-4
+
+
+@pytest.fixture(scope="module", params=QWEN3_5_STYLES)
+def qwen3_5_source(request, tmp_path_factory):
+    return qwen_vl_folder(request.param, tmp_path_factory.mktemp(request.param))[0]
+
+
+def qwen3_5_inputs(folder: Path) -> tuple[list[int], np.ndarray, list]:
+    """The Qwen test prompt's token ids, patches and grids with the two images, by our processor."""
+    from mlx_tfm import load
+
+    _, processor = load(folder)
+    ids, pixels, image_inputs = processor.prepare_inputs(QWEN_PROMPT, two_qwen_images())
+    return ids, pixels, image_inputs["grid_thw"]
+
+
+def our_qwen3_5_logits(folder: Path, ids: list, pixels: np.ndarray, grids) -> np.ndarray:
+    from mlx_tfm import load
+    from mlx_tfm.generation.images import ImageBoundModel
+
+    model, _ = load(folder)
+    features = model.encode_images(mx.array(pixels), grid_thw=grids)
+    return np.array(ImageBoundModel(model, features, ids, model.rope_positions(ids, grids))(mx.array([ids]))[0])
+
+
+def mlx_vlm_qwen3_5_logits(folder: Path, ids: list, pixels: np.ndarray, grids) -> np.ndarray:
+    from mlx_vlm.utils import load
+
+    model, _ = load(str(folder))
+    return np.array(model(mx.array([ids]), mx.array(pixels), mask=None, image_grid_thw=mx.array(grids)).logits[0])
+
+
+def test_mlx_vlm_qwen3_5_folders_load_both_ways(qwen3_5_source, tmp_path):
+    """mlx-vlm's folder (its tower ``vision_tower.*``, the patch kernel channels-last) here
+    with our logits on the transformers folder; ours (the tower ``model.visual.*``) in
+    mlx-vlm with its logits on its own folder."""
+    from mlx_tfm.convert.converter import convert
+
+    theirs = mlx_vlm_convert(qwen3_5_source, tmp_path / "mlx-vlm")
+    kernel = mx.load(str(theirs / "model.safetensors"))["vision_tower.patch_embed.proj.weight"]
+    assert kernel.shape[-1] == 3  # (D, T, P, P, C)
+    inputs = qwen3_5_inputs(theirs)
+    logits = our_qwen3_5_logits(theirs, *inputs)
+    np.testing.assert_allclose(logits, our_qwen3_5_logits(qwen3_5_source, *inputs), atol=1e-6, rtol=0)
+    expected = mlx_vlm_qwen3_5_logits(theirs, *inputs)
+    np.testing.assert_allclose(logits, expected, atol=MLX_VLM_QWEN3_5_ATOL, rtol=0)
+    ours = convert(qwen3_5_source, tmp_path / "ours", log=lambda *_: None)
+    np.testing.assert_allclose(mlx_vlm_qwen3_5_logits(ours, *inputs), expected, atol=1e-6, rtol=0)
+
+
+def test_4_bit_qwen3_5_folders_load_both_ways(qwen3_5_source, tmp_path):
+    """mlx-vlm's -q folder (the language model in 4 bits, the tower in float) here, and ours
+    in mlx-vlm: the same quantized weights give the same logits."""
+    from mlx_tfm.convert.converter import convert
+
+    theirs = mlx_vlm_convert(qwen3_5_source, tmp_path / "mlx-vlm-q4", quantize=True, q_group_size=32)
+    inputs = qwen3_5_inputs(theirs)
+    logits = our_qwen3_5_logits(theirs, *inputs)
+    np.testing.assert_allclose(logits, mlx_vlm_qwen3_5_logits(theirs, *inputs), atol=1e-4, rtol=0)
+    ours = convert(qwen3_5_source, tmp_path / "ours-q4", quantize=True, q_group_size=32, log=lambda *_: None)
+    np.testing.assert_allclose(mlx_vlm_qwen3_5_logits(ours, *inputs), our_qwen3_5_logits(ours, *inputs), atol=1e-4,
+                               rtol=0)

@@ -1,6 +1,7 @@
 """The hybrid families (mlx_tfm/families/hybrids.py) on prompts longer than a chunk of the
-delta rule: a 150-position prompt (three chunks of 64) against transformers, the image-text
-checkpoints' vision tower left out, and the on-disk layout mlx-lm's (folders we write
+delta rule: a 150-position prompt (three chunks of 64) against transformers (Qwen3.5's
+image-text checkpoints on text: tests/generation/test_qwen3_5_image_generation.py runs their
+images), and the on-disk layout mlx-lm's (folders we write
 convert again unchanged, and mlx-lm reads them with our logits)."""
 
 from __future__ import annotations
@@ -49,16 +50,38 @@ def test_long_prompt_matches_transformers(name, tmp_path):
     assert greedy(model, LONG_PROMPT, 6) == expected_greedy
 
 
-def test_image_text_checkpoint_loads_its_language_model(tmp_path):
-    """Qwen3.5's image-text checkpoint: the vision tower is dropped, the language model is
-    written in mlx-lm's names (``language_model.model.*``)."""
+def test_image_text_checkpoint_keeps_its_tower_beside_mlx_lms_language_model(tmp_path):
+    """Qwen3.5's image-text checkpoint: the language model written in mlx-lm's names
+    (``language_model.*``), the tower as transformers names it (``model.visual.*``, which
+    mlx-lm's qwen3_5 drops on loading); the test above runs it on text."""
     make_hf_model("qwen3_5", tmp_path / "hf")
     source = mx.load(str(tmp_path / "hf" / "model.safetensors"))
-    assert any(name.startswith("model.visual.") for name in source)
+    tower = {name for name in source if name.startswith("model.visual.")}
+    assert tower
     convert(tmp_path / "hf", tmp_path / "mlx", **QUIET)
     written = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
-    assert not any("visual" in name for name in written)
-    assert all(name.startswith("language_model.") for name in written)
+    assert {name for name in written if "visual" in name} == tower
+    assert all(name.startswith("language_model.") for name in set(written) - tower)
+    for name in tower:
+        np.testing.assert_array_equal(np.array(written[name]), np.array(source[name]), err_msg=name)
+
+
+def test_mlx_lms_folder_without_the_tower_loads_the_language_model_alone(tmp_path):
+    """mlx-lm's conversion of the image-text checkpoint drops the tower and keeps
+    vision_config: the language model alone, with the logits of the whole one on text."""
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    from mlx_tfm.model.transformer import Model
+    from mlx_tfm.model.vision_language import VisionLanguageModel
+
+    make_hf_model("qwen3_5", tmp_path / "hf")
+    mlx_lm_convert(str(tmp_path / "hf"), str(tmp_path / "mlx-lm"))
+    assert not any("visual" in name for name in mx.load(str(tmp_path / "mlx-lm" / "model.safetensors")))
+    alone, _ = load_model(tmp_path / "mlx-lm")
+    whole, _ = load_model(tmp_path / "hf")
+    assert isinstance(alone, Model) and isinstance(whole, VisionLanguageModel)
+    np.testing.assert_allclose(logits_of(alone, LONG_PROMPT[:20]), logits_of(whole, LONG_PROMPT[:20]), atol=1e-5,
+                               rtol=0)
 
 
 def test_on_disk_layout_is_mlx_lms(tmp_path):
@@ -82,7 +105,7 @@ def test_on_disk_layout_is_mlx_lms(tmp_path):
         np.testing.assert_array_equal(np.array(again[name]), np.array(written[name]), err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_mlx_lm_reads_the_long_prompt_as_we_do(name, tmp_path):
     """mlx-lm runs the rule position by position, we chunk by chunk; both in float32, each
     within 1e-4 of the float64 values (the test above), so within 2e-4 of each other."""

@@ -4,15 +4,12 @@
 transformers' processor and ``*ForConditionalGeneration`` on tiny random models with the
 two test images of different sizes."""
 
-import os
-import subprocess
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from fixtures.qwen_vision_models import CHAT_TEMPLATE, gradient_image, qwen_vl_folder, shapes_image
+from fixtures.cli_runs import run_cli
+from fixtures.qwen_vision_models import CHAT_TEMPLATE, IMAGE, PROMPT, hf_inputs, qwen_vl_folder, two_images
 
 from mlx_tfm import load
 from mlx_tfm.convert.converter import convert
@@ -22,23 +19,9 @@ from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.weights.files import read_checkpoint
 
 STYLES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-PROMPT = f"<|im_start|>user\n{IMAGE}Describe this{IMAGE} picture.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def two_images():
-    return [gradient_image(100, 80), shapes_image(150, 60)]
-
-
 @pytest.fixture(scope="module", params=STYLES)
 def qwen_folder(request, tmp_path_factory):
     return qwen_vl_folder(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def hf_inputs(reference, text: str = PROMPT) -> dict:
-    inputs = dict(reference(text=[text], images=two_images(), return_tensors="pt"))
-    inputs["mm_token_type_ids"] = (inputs["input_ids"] == reference.image_token_id).int()
-    return inputs
 
 
 def test_prompt_logits_and_greedy_tokens_match_transformers(qwen_folder):
@@ -82,12 +65,6 @@ def test_cached_decoding_equals_transformers_full_forward(qwen_folder):
     np.testing.assert_allclose(np.concatenate(pieces), expected[:len(ids) + len(answer)], atol=1e-4, rtol=0)
     whole = np.array(bound(mx.array([ids + answer])))[0]  # no cache: the prompt and the answer at once
     np.testing.assert_allclose(whole, expected, atol=1e-4, rtol=0)
-
-
-def run_cli(*args):
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "mlx_tfm", *args], capture_output=True, text=True, timeout=300,
-                          env=environment)
 
 
 def test_the_image_flag(qwen_folder, tmp_path):

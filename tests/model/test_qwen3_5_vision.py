@@ -1,4 +1,4 @@
-"""Qwen3.5 with images (families/qwen3_5_vl.py, not yet in the table): the hybrid language
+"""Qwen3.5 with images (families/qwen3_5_vl.py): the hybrid language
 model on interleaved M-RoPE over its partial rotary, Qwen3-VL's tower without DeepStack,
 against transformers' Qwen3_5ForConditionalGeneration: logits, and the prompt read in
 chunks then decoded token by token against transformers' one pass."""
@@ -8,40 +8,27 @@ import numpy as np
 import pytest
 import torch
 from fixtures.convert_helpers import TINY_CONFIGS
-from fixtures.qwen_vision_models import GRIDS, IMAGE_TOKEN, SPECIAL_TOKENS, image_prompt, perturb, random_pixel_values
+from fixtures.qwen_vision_models import (GRIDS, IMAGE_TOKEN, QWEN3_5_ROPE, QWEN3_5_STYLES, hf_qwen3_5_model,
+                                         image_prompt, random_pixel_values)
 
-from mlx_tfm.families import ARCHITECTURES
-from mlx_tfm.families.qwen3_5_vl import QWEN3_5_VL
 from mlx_tfm.generation.images import ImageBoundModel
 from mlx_tfm.loading import load_model
 from mlx_tfm.model.vision_language import VisionLanguageModel
 
 PROMPT = image_prompt(GRIDS, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
 ANSWER = [20, 21, 22, 23]
-# head_dim 16, half of it turned: 4 frequencies, interleaved t, h, w, t
-ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True}
 # A float32 run of the delta rule (chunked or step by step) lands up to about 2e-4 from the
 # float64 logits on random models like these (test_hybrid_families.py allows Qwen3-Next 3e-4
 # likewise; this one's forward lands 1.3e-4 away on one VM, 4.1e-4 on an AMD EPYC whose OpenBLAS
 # runs its Haswell kernels); a wrong position is ~0.2 off.
 DELTA_RULE_ATOL = 5e-4
-VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2,
-              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 
 
-@pytest.fixture(params=["qwen3_5", "qwen3_5_moe"])
-def qwen3_5_folder(request, tmp_path, monkeypatch):
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    name = request.param
-    monkeypatch.setitem(ARCHITECTURES, name, QWEN3_5_VL[name])
-    text = {**TINY_CONFIGS[name]["text_config"], "rope_parameters": ROPE}
-    config = AutoConfig.for_model(name, text_config=text, vision_config=VISION, **SPECIAL_TOKENS)
-    torch.manual_seed(0)  # the initial values perturb moves the norms and gates from are drawn too
-    hf_model = perturb(AutoModelForImageTextToText.from_config(config, attn_implementation="eager"))
-    hf_model.save_pretrained(tmp_path / name)
-    return tmp_path / name, hf_model
+@pytest.fixture(params=QWEN3_5_STYLES)
+def qwen3_5_folder(request, tmp_path):
+    hf_model = hf_qwen3_5_model(request.param)
+    hf_model.save_pretrained(tmp_path / request.param)
+    return tmp_path / request.param, hf_model
 
 
 def hf_logits(hf_model, ids: list[int], pixel_values: np.ndarray) -> np.ndarray:
@@ -71,3 +58,28 @@ def test_logits_and_cached_decoding_match_transformers(qwen3_5_folder):
     for token in ANSWER:
         pieces.append(np.array(bound(mx.array([[token]]), cache=cache)[0]))
     np.testing.assert_allclose(np.concatenate(pieces), expected, atol=DELTA_RULE_ATOL, rtol=0)
+
+
+def test_published_sections_on_a_narrower_rotary_turn_as_transformers_turns_them():
+    """A config without mrope_section takes Qwen3.5's (11, 11, 10), which overruns a rotary
+    of fewer frequencies (here 8): transformers cuts the interleaved runs where the
+    frequencies end, and so do we (each frequency's axis read off its rotary)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from mlx_tfm.model.mrope import frequency_axes
+
+    config = Qwen3_5TextConfig(**{**TINY_CONFIGS["qwen3_5_text"], "head_dim": 32,
+                                  "rope_parameters": {**QWEN3_5_ROPE, "mrope_section": [11, 11, 10]}})
+    rotary = Qwen3_5TextRotaryEmbedding(config)
+    base = torch.zeros(3, 1, 1, dtype=torch.long)
+    _, sin0 = rotary(torch.zeros(1), base)
+    n_frequencies = sin0.shape[-1] // 2
+    assert n_frequencies == 8
+    expected = np.zeros(n_frequencies, dtype=np.int64)
+    for axis in (1, 2):
+        moved = base.clone()
+        moved[axis] = 7
+        _, sin = rotary(torch.zeros(1), moved)
+        expected[(sin - sin0)[0, 0, :n_frequencies].abs().numpy() > 1e-6] = axis
+    np.testing.assert_array_equal(frequency_axes((11, 11, 10), interleaved=True, n_frequencies=8), expected)

@@ -13,6 +13,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from fixtures.openai_spec import spec_checking_http_client
+from fixtures.qwen_vision_models import qwen_vl_folder
 from fixtures.server_process import served
 from fixtures.vision_serving import llava_folder, png_bomb, png_bytes
 
@@ -188,6 +189,16 @@ def test_local_images_behind_the_flag(folder, tmp_path, llava):
 def test_an_image_for_a_text_only_model(stories_hf):
     for process in served("--model", str(stories_hf), "--max-tokens", "4", "--log-level", "warning"):
         one_line_400(chat(spec_checking_http_client(), process, part(data_url(0))), "reads text only",
+                     param="messages.0.content.1.type")
+
+
+def test_qwen_images_are_refused_until_the_engine_takes_m_rope(tmp_path):
+    """Qwen's images (here Qwen3.5's) need M-RoPE positions, which the engine's rows do not
+    carry yet: a one-line 400 that points to generate --image, not a wrong answer."""
+    folder = qwen_vl_folder("qwen3_5", tmp_path)[0]
+    for process in served("--model", str(folder), "--max-tokens", "4", "--log-level", "warning"):
+        one_line_400(chat(spec_checking_http_client(), process, part(data_url(0))),
+                     "qwen3_5's images (M-RoPE positions) are not in the batching engine yet",
                      param="messages.0.content.1.type")
 
 
