@@ -3,7 +3,7 @@ saved with its processor folder: ``load`` + ``generate(..., images=[...])`` (our
 preprocessing) against transformers' model fed transformers' processor's inputs (run with
 the torchvision stand-in, fixtures/lfm2_vl_processors.py) for an image cut into tiles and
 one that is a single view: the prompt's ids, full logits, greedy tokens; a prefill in
-chunks; ``mlx-tfm generate --image``."""
+chunks; ``mlx-tfm generate --image``; a ``convert -q`` folder keeps its processor."""
 
 import os
 import subprocess
@@ -91,3 +91,17 @@ def test_the_image_flag(lfm2_vl, tmp_path):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected.strip() and expected.strip()
+
+
+def test_a_converted_q_folder_keeps_its_processor(lfm2_vl, tmp_path):
+    from mlx_tfm.convert.converter import convert
+
+    folder = lfm2_vl[0]
+    convert(folder, tmp_path / "q4", quantize=True, q_group_size=32, log=lambda *_: None)
+    model, processor = load(tmp_path / "q4")
+    _, float_processor = load(folder)
+    ids, pixels, tower_inputs = processor.prepare_inputs(PROMPT, images())
+    float_ids, float_pixels, _ = float_processor.prepare_inputs(PROMPT, images())
+    assert ids == float_ids and np.array_equal(pixels, float_pixels)
+    assert tower_inputs["spatial_shapes"].tolist() == lfm2_vl[2]["spatial_shapes"].tolist()
+    assert isinstance(generate(model, processor, PROMPT, images=images(), max_tokens=3), str)
