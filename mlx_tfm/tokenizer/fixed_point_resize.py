@@ -55,19 +55,20 @@ def fixed_point_weights(weights: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def resize_axis(pixels: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """uint8 ``pixels`` resized along ``axis`` (0 or 1 of (H, W, C)) to ``out_size``."""
+    """uint8 ``pixels`` resized along ``axis`` (0 or 1 of (H, W, C)) to ``out_size``. The
+    sums fit int32 (as torch's do): the weights of one output sum to 2 ** precision <= 2 ** 22."""
     in_size = pixels.shape[axis]
     if in_size == out_size:
         return pixels
     firsts, weights = triangle_weights(in_size, out_size)
     integer, precision = fixed_point_weights(weights)
-    source = np.moveaxis(pixels, axis, 0).astype(np.int64)  # (in_size, other, C)
-    padded = np.concatenate([source, np.zeros((integer.shape[1], *source.shape[1:]), np.int64)])
-    total = np.full((out_size, *source.shape[1:]), 1 << (precision - 1), np.int64)
-    for tap in range(integer.shape[1]):  # a tap past an output's own count has weight 0
-        total += integer[:, tap, None, None] * padded[firsts + tap]
-    out = np.clip(total >> precision, 0, 255).astype(np.uint8)  # (out_size, other, C)
-    return np.moveaxis(out, 0, axis)
+    shape = [1, 1, 1]
+    shape[axis] = out_size  # each output's weight broadcast along the other axes
+    total = np.full(pixels.shape[:axis] + (out_size,) + pixels.shape[axis + 1:], 1 << (precision - 1), np.int32)
+    for tap in range(integer.shape[1]):  # past an output's own taps the weight is 0: any index in range will do
+        sources = np.take(pixels, np.minimum(firsts + tap, in_size - 1), axis=axis).astype(np.int32)
+        total += integer[:, tap].astype(np.int32).reshape(shape) * sources
+    return np.clip(total >> precision, 0, 255).astype(np.uint8)
 
 
 def resize_uint8(pixels: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -1,12 +1,13 @@
 """LFM2-VL's image preprocessing (tokenizer/lfm2_vl_images.py, fixed_point_resize.py) against
 transformers' Lfm2VlProcessor (run with the torchvision stand-in, fixtures/lfm2_vl_processors.py):
 pixel values, masks, spatial shapes and the expanded prompt's token ids for images that tile,
-one that is one view and one that grows; the resize against torch's own uint8 kernel; bad
-settings and inputs as one-line errors."""
+one that is one view and one that grows, at test sizes (with splitting or the thumbnail off)
+and at transformers' defaults; the resize against torch's own uint8 kernel; bad settings
+and inputs as one-line errors."""
 
 import numpy as np
 import pytest
-from fixtures.lfm2_vl_processors import reference_inputs, save_processor_files
+from fixtures.lfm2_vl_processors import reference_runs, save_processor_files
 from fixtures.vision_images import drawn_image, two_images
 
 from mlx_tfm.errors import UserError
@@ -27,19 +28,41 @@ def lfm2_vl_processor(folder):
     return read_vision_processor(folder, load_tokenizer(folder), {"model_type": "lfm2_vl"})
 
 
-@pytest.mark.parametrize("settings", [{}, {"do_image_splitting": False}, {"use_thumbnail": False, "min_tiles": 3}],
-                         ids=["tiles", "no-splitting", "no-thumbnail"])
-def test_pixels_masks_shapes_and_ids_match_transformers(tmp_path, settings):
-    folder = save_processor_files(tmp_path / "processor", **settings)
-    expected = reference_inputs(folder, PROMPT, four_images(), tmp_path)
-    ids, pixel_values, tower_inputs = lfm2_vl_processor(folder).prepare_inputs(PROMPT, four_images())
+# name -> (preprocessor_config.json: the test sizes with these changes, or transformers' own
+# defaults (16-pixel patches, 512-pixel tiles, 64 to 256 tokens); the prompt; its images)
+CASES = {
+    "tiles": ({}, PROMPT, four_images),
+    "no-splitting": ({"do_image_splitting": False}, PROMPT, four_images),
+    "no-thumbnail": ({"use_thumbnail": False, "min_tiles": 3}, PROMPT, four_images),
+    "hub-defaults": ({"image_processor_type": "Lfm2VlImageProcessor"}, "describe <image> and <image>",
+                     lambda: [drawn_image(1100, 800, seed=5), drawn_image(300, 200, seed=6)]),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Each case's folder and transformers' inputs, all run in one child process."""
+    scratch = tmp_path_factory.mktemp("lfm2_vl_references")
+    folders = {}
+    for name, (settings, _, _) in CASES.items():
+        folders[name] = (save_processor_files(scratch / name, settings) if name == "hub-defaults"
+                         else save_processor_files(scratch / name, **settings))
+    jobs = [(folders[name], text, images()) for name, (_, text, images) in CASES.items()]
+    return dict(zip(CASES, zip(folders.values(), reference_runs(jobs, scratch))))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pixels_masks_shapes_and_ids_match_transformers(references, case):
+    folder, expected = references[case]
+    _, text, images = CASES[case]
+    ids, pixel_values, tower_inputs = lfm2_vl_processor(folder).prepare_inputs(text, images())
     assert ids == expected["input_ids"].tolist()
     assert pixel_values.dtype == np.float32 and pixel_values.shape == expected["pixel_values"].shape
     np.testing.assert_allclose(pixel_values, expected["pixel_values"], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(tower_inputs["pixel_attention_mask"], expected["pixel_attention_mask"])
     np.testing.assert_array_equal(tower_inputs["spatial_shapes"], expected["spatial_shapes"])
-    if not settings:  # tiles, a single view and a grown one are all there
-        assert len({tuple(s) for s in expected["spatial_shapes"].tolist()}) >= 4
+    if case in ("tiles", "hub-defaults"):  # tiles and thumbnails, one-view and grown images are all there
+        assert len(expected["spatial_shapes"]) > len(images()) + 2
 
 
 @pytest.mark.parametrize("size, out", [((52, 70), (64, 96)), ((77, 41), (24, 16)), ((40, 300), (40, 37)),
