@@ -177,6 +177,9 @@ def preprocess_lfm2_vl_images(images: list, processing: Lfm2VlProcessing) -> dic
     mask = np.zeros((len(views), processing.max_patches), np.int32)
     for i, view in enumerate(views):
         cut = patches_of(view, processing)
+        if len(cut) > processing.max_patches:  # an extreme aspect ratio: the side bounds cannot hold its tokens
+            raise UserError(f"an image resized to {view.shape[1]}x{view.shape[0]} has {len(cut)} patches, more than "
+                            f"LFM2-VL's {processing.max_patches} a view: its aspect ratio is too extreme")
         pixel_values[i, :len(cut)] = cut
         mask[i, :len(cut)] = 1
     shapes = np.array([(view.shape[0] // p, view.shape[1] // p) for view in views], np.int64).reshape(-1, 2)

@@ -93,7 +93,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     processor = lfm2_vl_processor(save_processor_files(tmp_path))
     (tmp_path / "not_an_image.png").write_bytes(b"hello")
     cases = [(("describe <image>", [tmp_path / "not_an_image.png"]), "is not an image"),
-             (("describe <image> <image>", two_images()[:1]), "2 <image> placeholder")]
+             (("describe <image> <image>", two_images()[:1]), "2 <image> placeholder"),
+             (("describe <image>", [drawn_image(2000, 1, seed=7)]), "aspect ratio is too extreme")]
     for (text, images), words in cases:
         with pytest.raises(UserError, match=words) as error:
             processor.prepare_inputs(text, images)
