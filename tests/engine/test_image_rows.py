@@ -208,3 +208,22 @@ def test_lfm2_vl_image_rows_carry_their_patch_grids(tmp_path, monkeypatch):
     (tokens, final), = run(engine, [image_request(processor, prompt, images)])
     assert tokens == expected and final.cached_tokens == len(request.prompt) - 1
     assert len(calls) == len(request.images.pixel_values)  # one tower pass per view, for the first request only
+
+
+def test_mistral3_image_rows_carry_their_image_sizes(tmp_path):
+    """Mistral 3 (Pixtral's tower, each image at its own size with its image_sizes): an
+    image row of each test image, in chunks beside a text row, gives ``generate``'s tokens."""
+    from fixtures.pixtral_models import make_pixtral_model, save_processor_files
+
+    make_pixtral_model(tmp_path)
+    save_processor_files(tmp_path)
+    model, processor = load(tmp_path)
+    prompt = "[INST] describe [IMG] [/INST]"
+    text = Request(processor.encode("[INST] describe this picture [/INST]"), 6, GREEDY)
+    for image in two_images():
+        expected = [r.token for r in stream_generate(model, processor, prompt, images=[image], max_tokens=6,
+                                                     sampler=make_sampler(temp=0.0))]
+        request = image_request(processor, prompt, [image])
+        assert request.images.tower_inputs["image_sizes"].tolist() == [list(request.images.pixel_values.shape[2:])]
+        results = run(Engine(model, processor, prefill_step_size=5), [text, request])
+        assert results[1][0] == expected
