@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..tokenizer.image_tokens import expand_image_placeholders, image_token_count
+from ..tokenizer.vision_processor import VisionProcessor
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,11 @@ class ImageInputs:
 
 def read_images(processor, sources: list) -> ImageInputs:
     """Images (paths, encoded bytes or PIL images) -> ``ImageInputs`` for ``processor`` (a
-    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``."""
+    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``,
+    and so is a processor whose images the engine does not take (Qwen's: M-RoPE positions)."""
+    if not isinstance(processor, VisionProcessor):
+        raise UserError("this model's images (M-RoPE positions) are not in chat and the server yet: use "
+                        "mlx-tfm generate --image")
     inputs = processor.preprocess(sources)
     tower_inputs = {name: inputs[name] for name in processor.tower_input_names}
     whole_tokens = inputs.get("whole_tokens") or [0] * len(inputs["views"])

@@ -197,3 +197,16 @@ def test_lfm2_vl_images_and_a_follow_up(tmp_path):
     assert first == expected(turns) and first.strip()
     second = ask(session, "and that")
     assert second == expected([*turns, {"role": "assistant", "content": first}, {"role": "user", "content": "and that"}])
+
+
+def test_qwen_images_in_chat_are_a_one_line_error(tmp_path, pictures):
+    """Qwen's images need M-RoPE positions the chat's rows do not carry yet: /image says so
+    in one line (``generate --image`` takes them)."""
+    from fixtures.qwen_vision_models import qwen_vl_folder
+
+    folder, _, _ = qwen_vl_folder("qwen2_vl", tmp_path)
+    model, processor = load(folder)
+    session = ChatSession(model, processor, Settings(max_tokens=4), on_notice=lambda text: None)
+    with pytest.raises(UserError, match="not in chat and the server yet") as error:
+        run_command(session, f"/image {pictures[0][0]}")
+    assert "\n" not in str(error.value)
