@@ -1,8 +1,9 @@
 """A request's images, ready for the engine: ``read_images(processor, sources)`` runs the
-family's preprocessing once (tokenizer/images.py, which refuses what is not an image, a
-truncated file and a decompression bomb) and returns ``ImageInputs``: the pixel values of
-every view, how many image tokens each image takes, the tile grid the prompt writes, and
-a content digest per image.
+family's preprocessing once (``VisionProcessor.preprocess``, through tokenizer/images.py's
+loader, which refuses what is not an image, a truncated file and a decompression bomb) and
+returns ``ImageInputs``: the pixel values of every view and the tower's other inputs
+(LFM2-VL's patch grids), how many image tokens each image takes, the tile grid the prompt
+writes, and a content digest per image.
 
 The digests key the shared prefix cache: image tokens all have one id, so two different
 pictures after the same text would look alike to a cache that compares ids. ``cache_keys``
@@ -18,25 +19,27 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
-from ..tokenizer.image_tokens import expand_image_placeholders
-from ..tokenizer.images import preprocess_images
+from ..tokenizer.image_tokens import expand_image_placeholders, image_token_count
+from ..tokenizer.vision_processor import VisionProcessor
 
 
 @dataclass(frozen=True)
 class ImageInputs:
     """The preprocessed images of one prompt, in the order the prompt places them."""
 
-    pixel_values: np.ndarray  # (n_views, C, H, W) float32, every view of every image
+    pixel_values: np.ndarray  # float32, every view of every image: (n_views, C, H, W), or cut patches
     tokens_per_image: tuple[int, ...]  # image tokens each image takes in the prompt
-    rows: tuple[int, ...]  # Idefics3's tile grid per image (else 0)
+    rows: tuple[int, ...]  # Idefics3's and LFM2-VL's tile grid per image (else 0)
     cols: tuple[int, ...]
-    digests: tuple[str, ...]  # sha256 of each image's pixel values
+    digests: tuple[str, ...]  # sha256 of each image's pixel values (and tower inputs)
+    whole_tokens: tuple[int, ...] = ()  # LFM2-VL: the tokens of each image's whole-image view
+    tower_inputs: dict = field(default_factory=dict)  # encode_images' other inputs, one row per view
 
     def __len__(self) -> int:
         return len(self.tokens_per_image)
@@ -46,7 +49,8 @@ class ImageInputs:
         placeholder at all: the images go first), as ``VisionProcessor.prepare`` does."""
         if len(self) and processor.placeholder not in text:
             text = processor.placeholder * len(self) + text
-        return expand_image_placeholders(text, processor.image_prompt, list(self.rows), list(self.cols))
+        return expand_image_placeholders(text, processor.image_prompt, list(self.rows), list(self.cols),
+                                         list(self.whole_tokens) or None)
 
     def cache_keys(self, prompt: list[int], image_token_id: int) -> list[int]:
         """``prompt`` with each image token replaced by its image's key (see the module
@@ -66,22 +70,38 @@ class ImageInputs:
 
     def encode(self, model) -> mx.array:
         """The images' features (n_image_tokens, D), one row per image token in order."""
-        features = model.encode_images(mx.array(self.pixel_values))
+        features = model.encode_images(mx.array(self.pixel_values), **self.tower_inputs)
         mx.eval(features)
         return features
 
 
 def read_images(processor, sources: list) -> ImageInputs:
     """Images (paths, encoded bytes or PIL images) -> ``ImageInputs`` for ``processor`` (a
-    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``."""
-    inputs = preprocess_images(sources, processor.processing)
-    per_view = processor.image_prompt.tokens_per_view
+    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``,
+    and so is a processor whose images the engine does not take (Qwen's: M-RoPE positions)."""
+    if not isinstance(processor, VisionProcessor):
+        raise UserError("this model's images (M-RoPE positions) are not in chat and the server yet: use "
+                        "mlx-tfm generate --image")
+    inputs = processor.preprocess(sources)
+    tower_inputs = {name: inputs[name] for name in processor.tower_input_names}
+    whole_tokens = inputs.get("whole_tokens") or [0] * len(inputs["views"])
+    tokens = tuple(image_token_count(processor.image_prompt, *grid)
+                   for grid in zip(inputs["rows"], inputs["cols"], whole_tokens))
     starts = np.cumsum([0, *inputs["views"]])
-    digests = tuple(hashlib.sha256(np.ascontiguousarray(inputs["pixel_values"][a:b]).tobytes()).hexdigest()
+    digests = tuple(view_digest([inputs["pixel_values"][a:b], *(value[a:b] for value in tower_inputs.values())])
                     for a, b in itertools.pairwise(starts))
-    return ImageInputs(pixel_values=inputs["pixel_values"],
-                       tokens_per_image=tuple(views * per_view for views in inputs["views"]),
-                       rows=tuple(inputs["rows"]), cols=tuple(inputs["cols"]), digests=digests)
+    return ImageInputs(pixel_values=inputs["pixel_values"], tokens_per_image=tokens, rows=tuple(inputs["rows"]),
+                       cols=tuple(inputs["cols"]), digests=digests, whole_tokens=tuple(inputs.get("whole_tokens", ())),
+                       tower_inputs=tower_inputs)
+
+
+def view_digest(arrays: list[np.ndarray]) -> str:
+    """sha256 of one image's views: its pixel values and its rows of the tower's other
+    inputs (two images of equal pixels but other patch grids are different images)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 def joined(parts: list[ImageInputs]) -> ImageInputs:
@@ -90,9 +110,10 @@ def joined(parts: list[ImageInputs]) -> ImageInputs:
     shapes = {part.pixel_values.shape[1:] for part in parts}
     if len(shapes) > 1:
         raise UserError("these images resize to different sizes; send them one request at a time")
-    return ImageInputs(pixel_values=np.concatenate([part.pixel_values for part in parts]),
+    tower_inputs = {name: np.concatenate([part.tower_inputs[name] for part in parts]) for name in parts[0].tower_inputs}
+    return ImageInputs(pixel_values=np.concatenate([part.pixel_values for part in parts]), tower_inputs=tower_inputs,
                        **{name: sum((getattr(part, name) for part in parts), ())
-                          for name in ("tokens_per_image", "rows", "cols", "digests")})
+                          for name in ("tokens_per_image", "rows", "cols", "digests", "whole_tokens")})
 
 
 def image_token_counts(prompt: list[int], image_token_id: int) -> list[int]:

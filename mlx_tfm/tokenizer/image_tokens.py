@@ -12,7 +12,10 @@ processors do:
 - Mistral 3 (Pixtral): ``[IMG]`` -> the image's rows of ``[IMG]`` tokens, each row ended by
   ``[IMG_BREAK]``, the last by ``[IMG_END]`` (pixtral_images.py; ``rows x cols`` its grid);
 - Gemma 4: its image token -> the begin token, one image token per soft token (``rows x
-  cols``, gemma4_images.py), the end token.
+  cols``, gemma4_images.py), the end token;
+- LFM2-VL: ``<image>`` -> ``<|image_start|>``, each tile's ``<|img_row_r_col_c|>`` and
+  tokens and ``<|img_thumbnail|>`` with the thumbnail's (or the one view's tokens),
+  ``<|image_end|>`` (lfm2_vl_images.py; ``rows x cols`` its tile grid).
 """
 
 from __future__ import annotations
@@ -20,20 +23,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .lfm2_vl_images import lfm2_vl_image_text
 from .pixtral_images import pixtral_image_text
 
-KINDS = ("llava", "idefics3", "gemma3", "pixtral", "gemma4")
+KINDS = ("llava", "idefics3", "gemma3", "pixtral", "gemma4", "lfm2_vl")
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
     """How one family writes an image into its prompt (``read_image_prompt`` builds it)."""
 
-    kind: str  # "llava" | "idefics3" | "gemma3" | "pixtral" | "gemma4"
+    kind: str  # "llava" | "idefics3" | "gemma3" | "pixtral" | "gemma4" | "lfm2_vl"
     placeholder: str  # what the prompt holds once per image
     image_token: str  # the token whose embeddings the image features replace
     tokens_per_view: int  # image tokens per view (a tile or the whole image)
-    begin: str = ""  # "gemma4": the tokens around an image's own
+    begin: str = ""  # "gemma4", "lfm2_vl": the tokens around an image's own
     end: str = ""
 
 
@@ -66,11 +70,19 @@ def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
     if kind == "gemma4":  # the token texts: read from the tokenizer by config.json's ids (vision_processor.py)
         token = processor["image_token"]
         return ImagePrompt("gemma4", token, token, 0, processor["boi_token"], processor["eoi_token"])
+    if kind == "lfm2_vl":  # tokens per tile: from the image processor's sizes (vision_processor.py)
+        marked = processor.get("use_image_special_tokens", True)
+        return ImagePrompt("lfm2_vl", "<image>", "<image>", processor["tokens_per_tile"],
+                           "<|image_start|>" if marked else "", "<|image_end|>" if marked else "")
     raise UserError(f"unknown image prompt kind {kind!r} ({', '.join(KINDS)})")
 
 
-def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0) -> str:
-    """The text one image's placeholder becomes (``rows x cols``: Idefics3's tile grid)."""
+def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0, whole_tokens: int = 0) -> str:
+    """The text one image's placeholder becomes (``rows x cols``: Idefics3's or LFM2-VL's
+    tile grid; ``whole_tokens``: LFM2-VL's tokens of the whole-image view)."""
+    if prompt.kind == "lfm2_vl":
+        return lfm2_vl_image_text(prompt.image_token, prompt.tokens_per_view, rows, cols, whole_tokens, prompt.begin,
+                                  prompt.end)
     if prompt.kind == "pixtral":
         return pixtral_image_text(prompt.image_token, rows, cols)
     if prompt.kind == "gemma4":
@@ -89,14 +101,20 @@ def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0) -> str:
     return f"{grid}\n{global_view}"
 
 
-def expand_image_placeholders(text: str, prompt: ImagePrompt, rows: list[int], cols: list[int]) -> str:
+def image_token_count(prompt: ImagePrompt, rows: int = 0, cols: int = 0, whole_tokens: int = 0) -> int:
+    """How many image tokens (those the features replace) one image's text holds."""
+    return image_text(prompt, rows, cols, whole_tokens).count(prompt.image_token)
+
+
+def expand_image_placeholders(text: str, prompt: ImagePrompt, rows: list[int], cols: list[int],
+                              whole_tokens: list[int] | None = None) -> str:
     """``text`` with its i-th placeholder replaced by image i's tokens; as many
-    placeholders as images, else a ``UserError``."""
+    placeholders as images, else a ``UserError``. ``whole_tokens``: LFM2-VL's per image."""
     pieces = text.split(prompt.placeholder)
     if len(pieces) - 1 != len(rows):
         raise UserError(f"the prompt has {len(pieces) - 1} {prompt.placeholder} placeholder(s) for {len(rows)} "
                         "image(s): write one where each image goes")
     out = [pieces[0]]
     for i, piece in enumerate(pieces[1:]):
-        out += [image_text(prompt, rows[i], cols[i]), piece]
+        out += [image_text(prompt, rows[i], cols[i], whole_tokens[i] if whole_tokens else 0), piece]
     return "".join(out)

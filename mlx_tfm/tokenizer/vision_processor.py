@@ -19,19 +19,18 @@ from . import Tokenizer
 from .gemma4_images import preprocess_gemma4_images, read_gemma4_processing
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
+from .lfm2_vl_images import preprocess_lfm2_vl_images, read_lfm2_vl_processing
 from .qwen_processor import QWEN_PROCESSOR_TYPES, QwenVisionProcessor, read_qwen_processor
 from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
 PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3",
-                "mistral3": "pixtral", "gemma4": "gemma4"}
+                "mistral3": "pixtral", "gemma4": "gemma4", "lfm2_vl": "lfm2_vl"}
 # processing kinds with their own preprocessing (else images.py's), and the tower inputs
 # beside the pixel values that it makes for ``encode_images``
 PREPROCESSORS = {"pixtral": (preprocess_pixtral_images, ("image_sizes",)),
-                 "gemma4": (preprocess_gemma4_images, ("image_position_ids",))}
-# model_types whose towers run (``encode_images``) but whose image preprocessing is not built:
-# they load and read text; images are refused in one line
-PREPROCESSING_NOT_YET = {"lfm2_vl": "LFM2-VL's image preprocessing (SigLIP2 NaFlex tiles and thumbnail)"}
+                 "gemma4": (preprocess_gemma4_images, ("image_position_ids",)),
+                 "lfm2_vl": (preprocess_lfm2_vl_images, ("spatial_shapes", "pixel_attention_mask"))}
 
 
 class VisionProcessor(Tokenizer):
@@ -51,25 +50,34 @@ class VisionProcessor(Tokenizer):
 
     def prepare(self, text: str, images: list) -> tuple[list[int], np.ndarray]:
         """``text`` with one placeholder per image (none written: all images go first) ->
-        (token ids, pixel values (n_views, C, H, W) float32)."""
+        (token ids, pixel values float32: (n_views, C, H, W), or cut patches for the towers
+        that take them)."""
         ids, pixel_values, _ = self.prepare_inputs(text, images)
         return ids, pixel_values
 
     def prepare_inputs(self, text: str, images: list) -> tuple[list[int], np.ndarray, dict]:
         """As ``prepare``, plus the tower's other inputs for ``encode_images`` (Pixtral's
-        ``image_sizes``; none for the fixed-size towers)."""
-        if self.processing.kind in PREPROCESSING_NOT_YET:
-            raise UserError(f"{PREPROCESSING_NOT_YET[self.processing.kind]} is not supported yet: this model reads "
-                            "text only here")
-        preprocess, input_names = PREPROCESSORS.get(self.processing.kind, (preprocess_images, ()))
-        inputs = preprocess(images, self.processing)
-        image_inputs = {name: inputs[name] for name in input_names}
+        ``image_sizes``, LFM2-VL's ``spatial_shapes``; none for the fixed-size towers)."""
+        inputs = self.preprocess(images)
+        image_inputs = {name: inputs[name] for name in self.tower_input_names}
         if images and self.placeholder not in text:
             text = self.placeholder * len(images) + text
-        expanded = expand_image_placeholders(text, self.image_prompt, inputs["rows"], inputs["cols"])
+        expanded = expand_image_placeholders(text, self.image_prompt, inputs["rows"], inputs["cols"],
+                                             inputs.get("whole_tokens"))
         bos = self.special_tokens.get("bos_token")  # a rendered chat template writes its own
         ids = self.encode(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))
         return ids, inputs["pixel_values"], image_inputs
+
+    def preprocess(self, images: list) -> dict:
+        """The family's preprocessing of ``images``: ``pixel_values``, the tower's other
+        inputs (``tower_input_names``), ``views``, ``rows``, ``cols`` per image."""
+        preprocess, _ = PREPROCESSORS.get(self.processing.kind, (preprocess_images, ()))
+        return preprocess(images, self.processing)
+
+    @property
+    def tower_input_names(self) -> tuple[str, ...]:
+        """The inputs beside the pixel values that ``encode_images`` takes, one row per view."""
+        return PREPROCESSORS.get(self.processing.kind, (None, ()))[1]
 
     def image_message(self, text: str, n_images: int) -> dict:
         """A user message with ``n_images`` images before ``text``: as content parts when
@@ -87,9 +95,6 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict
     model_type = config.get("model_type")
     if model_type in QWEN_PROCESSOR_TYPES:  # Qwen's own processor (qwen_processor.py)
         return read_qwen_processor(folder, tokenizer)
-    if model_type in PREPROCESSING_NOT_YET:
-        unbuilt = ImageProcessing(kind=model_type, size=(0, 0), resample=0)
-        return VisionProcessor(tokenizer, unbuilt, ImagePrompt(model_type, "<image>", "<image>", 0))
     if model_type not in PROMPT_KINDS:
         raise UserError(f"{model_type!r} models take no images here ({', '.join(PROMPT_KINDS)} do)")
     processor_path, path = Path(folder) / "processor_config.json", Path(folder) / "preprocessor_config.json"
@@ -103,8 +108,11 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict
     if kind == "gemma4":
         processor = {**gemma4_image_tokens(tokenizer, config), **processor}
     readers = {"pixtral": lambda: read_pixtral_processing(settings, config),
-               "gemma4": lambda: read_gemma4_processing(settings)}
+               "gemma4": lambda: read_gemma4_processing(settings),
+               "lfm2_vl": lambda: read_lfm2_vl_processing(settings)}
     processing = readers.get(kind, lambda: read_image_processing(settings))()
+    if kind == "lfm2_vl":  # a tile's tokens follow from the image processor's sizes
+        processor = {"tokens_per_tile": processing.view_tokens(processing.tile_size, processing.tile_size), **processor}
     return VisionProcessor(tokenizer, processing, read_image_prompt(kind, processor, config))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..datasets import read_jsonl, with_eos
 from ..errors import UserError
 from ..tokenizer.images import load_image
+from ..tokenizer.vision_processor import VisionProcessor
 from .data import Batch, LengthGroupedBatches, pad_batch
 
 QUESTION_KEYS = ("question", "prompt")
@@ -177,6 +178,9 @@ def encode_image_row(record: dict, processor, folder: Path, where: str) -> Image
     """One row -> its tokens (image placeholders expanded), the prompt's length (all but
     the last turn, with the generation prompt) and the pixel values of its images."""
     messages, images = conversation_and_images(record, folder, where)
+    if images and not (isinstance(processor, VisionProcessor) and not processor.tower_input_names):
+        raise UserError(f"{where}: fine-tuning on this model's images is not built yet (its tower takes more than "
+                        "the pixels: Qwen's grids, Pixtral's sizes, Gemma 4's positions, LFM2-VL's patch grids)")
     n_prompt_images = sum(kind == "image" for m in messages[:-1] for kind, _ in m["content"])
     full = processor.apply_chat_template(rendered(messages, processor), add_generation_prompt=False, tokenize=False)
     prompt = processor.apply_chat_template(rendered(messages[:-1], processor), add_generation_prompt=True,

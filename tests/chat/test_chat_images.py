@@ -1,6 +1,7 @@
-"""Images in the chat session (``/image PATH``, chat/images.py) on a tiny random LLaVA:
-answers equal greedy decoding of the whole rendered conversation from scratch, bound to
-its images' features (generation/images.py's ImageBoundModel); a follow-up question
+"""Images in the chat session (``/image PATH``, chat/images.py) on a tiny random LLaVA (and
+an LFM2-VL, whose tower takes patch grids): answers equal greedy decoding of the whole
+rendered conversation from scratch, bound to its images' features (generation/images.py's
+ImageBoundModel, or ``generate``); a follow-up question
 feeds only its new tokens and never runs the tower again; /undo and asking again give
 the same answer; a bad path or a non-image is one line and the session goes on."""
 
@@ -183,3 +184,40 @@ def test_save_and_load_keep_the_images(llava, pictures, tmp_path):
     with pytest.raises(UserError, match="no image file"):
         run_command(loaded, f"/load {tmp_path / 'gone.json'}")
     assert len(loaded.conversation.turns) == 4 and ask(loaded, "and this")  # the conversation it had goes on
+
+
+def test_lfm2_vl_images_and_a_follow_up(tmp_path):
+    """LFM2-VL (its tower takes each view's patch grid): the answers about a tiled image
+    and after a follow-up are ``generate``'s over the whole rendered conversation."""
+    from fixtures.lfm2_vl_processors import lfm2_vl_folder
+
+    from mlx_tfm.generation.stream import generate
+
+    model, processor = load(lfm2_vl_folder(tmp_path / "lfm2_vl"))
+    image = two_images()[0]  # 2x3 tiles and a thumbnail
+    image.save(tmp_path / "0.png")
+
+    def expected(messages):
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return generate(model, processor, text, images=[image], max_tokens=6, sampler=make_sampler(temp=0.0))
+
+    session = ChatSession(model, processor, Settings(max_tokens=6), on_notice=lambda text: None)
+    run_command(session, f"/image {tmp_path / '0.png'}")
+    first = ask(session, "describe this")
+    turns = [{"role": "user", "content": processor.placeholder + "describe this"}]
+    assert first == expected(turns) and first.strip()
+    second = ask(session, "and that")
+    assert second == expected([*turns, {"role": "assistant", "content": first}, {"role": "user", "content": "and that"}])
+
+
+def test_qwen_images_in_chat_are_a_one_line_error(tmp_path, pictures):
+    """Qwen's images need M-RoPE positions the chat's rows do not carry yet: /image says so
+    in one line (``generate --image`` takes them)."""
+    from fixtures.qwen_vision_models import qwen_vl_folder
+
+    folder, _, _ = qwen_vl_folder("qwen2_vl", tmp_path)
+    model, processor = load(folder)
+    session = ChatSession(model, processor, Settings(max_tokens=4), on_notice=lambda text: None)
+    with pytest.raises(UserError, match="not in chat and the server yet") as error:
+        run_command(session, f"/image {pictures[0][0]}")
+    assert "\n" not in str(error.value)

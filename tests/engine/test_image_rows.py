@@ -1,7 +1,8 @@
 """Image rows in the batching engine (engine/images.py, rows.py, scheduler.py) on a tiny
-random LLaVA: at temperature 0 an image request gives the tokens of ``generate`` with its
-images (the one-sequence path, generation/images.py), alone, in chunks, and in a batch
-with text rows; the shared prefix cache keys image tokens by the images' content."""
+random LLaVA (and SmolVLM's tiles, LFM2-VL's patch grids): at temperature 0 an image
+request gives the tokens of ``generate`` with its images (the one-sequence path,
+generation/images.py), alone, in chunks, and in a batch with text rows; the shared prefix
+cache keys image tokens by the images' content."""
 
 import pytest
 from fixtures.vision_images import two_images
@@ -177,4 +178,52 @@ def test_smolvlm_tiled_images_in_chunks_beside_text_rows(tmp_path):
     text = Request(processor.encode("user: describe this picture and that assistant:"), 6, GREEDY)
     for step in (2048, 7):
         results = run(Engine(model, processor, prefill_step_size=step), [text, request, text])
+        assert results[1][0] == expected
+
+
+def test_lfm2_vl_image_rows_carry_their_patch_grids(tmp_path, monkeypatch):
+    """LFM2-VL's tower takes each view's patch grid (spatial_shapes) beside its cut
+    patches: a tiled image and a one-view image in one prompt, in chunks, beside text rows,
+    give ``generate``'s tokens; the same images again reuse the prefix cache."""
+    from fixtures.lfm2_vl_processors import lfm2_vl_folder
+    from fixtures.vision_images import drawn_image
+
+    from mlx_tfm.model.lfm2_vl_vision import NaFlexTower
+
+    model, processor = load(lfm2_vl_folder(tmp_path))
+    images = [two_images()[0], drawn_image(30, 20, seed=3)]  # 2x3 tiles and a thumbnail; one view
+    prompt = "user: describe <image> and <image> assistant:"
+    expected = [r.token for r in stream_generate(model, processor, prompt, images=images, max_tokens=6,
+                                                 sampler=make_sampler(temp=0.0))]
+    request = image_request(processor, prompt, images)
+    assert request.images.tower_inputs["spatial_shapes"].shape == (len(request.images.pixel_values), 2)
+    text = Request(processor.encode("user: describe this picture and that assistant:"), 6, GREEDY)
+    for step in (2048, 7):
+        results = run(Engine(model, processor, prefill_step_size=step), [text, request, text])
+        assert results[1][0] == expected
+    calls, original = [], NaFlexTower.__call__
+    monkeypatch.setattr(NaFlexTower, "__call__", lambda self, *args: calls.append(1) or original(self, *args))
+    engine = Engine(model, processor)
+    run(engine, [image_request(processor, prompt, images)])
+    (tokens, final), = run(engine, [image_request(processor, prompt, images)])
+    assert tokens == expected and final.cached_tokens == len(request.prompt) - 1
+    assert len(calls) == len(request.images.pixel_values)  # one tower pass per view, for the first request only
+
+
+def test_mistral3_image_rows_carry_their_image_sizes(tmp_path):
+    """Mistral 3 (Pixtral's tower, each image at its own size with its image_sizes): an
+    image row of each test image, in chunks beside a text row, gives ``generate``'s tokens."""
+    from fixtures.pixtral_models import make_pixtral_model, save_processor_files
+
+    make_pixtral_model(tmp_path)
+    save_processor_files(tmp_path)
+    model, processor = load(tmp_path)
+    prompt = "[INST] describe [IMG] [/INST]"
+    text = Request(processor.encode("[INST] describe this picture [/INST]"), 6, GREEDY)
+    for image in two_images():
+        expected = [r.token for r in stream_generate(model, processor, prompt, images=[image], max_tokens=6,
+                                                     sampler=make_sampler(temp=0.0))]
+        request = image_request(processor, prompt, [image])
+        assert request.images.tower_inputs["image_sizes"].tolist() == [list(request.images.pixel_values.shape[2:])]
+        results = run(Engine(model, processor, prefill_step_size=5), [text, request])
         assert results[1][0] == expected

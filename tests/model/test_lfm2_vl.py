@@ -2,7 +2,8 @@
 random model: image features, logits and greedy tokens of the whole
 Lfm2VlForConditionalGeneration for two images of different patch grids, our cached decoding
 against our own full forward, and the position table's resize against torch's antialiased
-bilinear interpolation."""
+bilinear interpolation. Its preprocessing and generation with images:
+tests/tokenizer/test_lfm2_vl_images.py, tests/generation/test_lfm2_vl_generation.py."""
 
 import mlx.core as mx
 import numpy as np
@@ -106,22 +107,3 @@ def test_convert_q_keeps_the_tower_in_float_and_its_features(lfm2_vl, tmp_path):
     np.testing.assert_allclose(np.array(our_features(quantized, inputs)), np.array(our_features(model, inputs)),
                                atol=1e-5, rtol=0)
 
-
-def test_images_are_refused_in_one_line_until_its_preprocessing_is_built(lfm2_vl, tmp_path):
-    import shutil
-
-    from fixtures.pixtral_models import word_tokenizer
-    from fixtures.vision_images import two_images
-
-    from mlx_tfm import load
-    from mlx_tfm.errors import UserError
-    from mlx_tfm.generation.stream import generate
-
-    folder = tmp_path / "lfm2_vl"
-    shutil.copytree(lfm2_vl[2], folder)
-    word_tokenizer().save_pretrained(folder)
-    model, processor = load(folder)
-    assert isinstance(generate(model, processor, "describe this", max_tokens=2), str)  # text still reads
-    with pytest.raises(UserError, match="LFM2-VL's image preprocessing .* is not supported yet") as error:
-        generate(model, processor, "describe this", images=two_images()[:1], max_tokens=2)
-    assert "\n" not in str(error.value)

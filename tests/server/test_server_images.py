@@ -1,8 +1,9 @@
 """Images through `mlx-tfm server` (server/images.py, the engine's image rows) on a tiny
-random LLaVA: OpenAI's image_url parts, Ollama's images, against the one-sequence path
-in this process (generation/images.py's ImageBoundModel over the same ids); the prefix
-cache keyed by the image's content; every bad image a one-line 400. Every JSON answer is
-checked against OpenAI's spec (fixtures/openai_spec.py)."""
+random LLaVA (and an LFM2-VL, whose tower takes patch grids): OpenAI's image_url parts,
+Ollama's images, against the one-sequence path in this process (generation/images.py's
+ImageBoundModel over the same ids, or ``generate``); the prefix cache keyed by the image's
+content; every bad image a one-line 400. Every JSON answer is checked against OpenAI's spec
+(fixtures/openai_spec.py)."""
 
 from __future__ import annotations
 
@@ -240,3 +241,33 @@ def test_responses_input_items_list_the_image(http, server):
     items = http.get(f"{server.url}/responses/{body['id']}/input_items").json()["data"]
     assert [part["type"] for part in items[0]["content"]] == ["input_image", "input_text"]
     assert items[0]["content"][0]["image_url"] == data_url(1)
+
+
+def test_lfm2_vl_image_url_parts_answer_as_generate_does(tmp_path):
+    """LFM2-VL (its views' patch grids beside the patches, fixtures/lfm2_vl_processors.py):
+    a tiled image and a one-view image as image_url parts give, at temperature 0, the text
+    ``generate`` gives alone for the same rendered prompt."""
+    import io
+
+    from fixtures.lfm2_vl_processors import lfm2_vl_folder
+    from fixtures.vision_images import drawn_image, two_images
+
+    from mlx_tfm.generation.stream import generate
+
+    folder = lfm2_vl_folder(tmp_path / "lfm2_vl")
+    images = [two_images()[0], drawn_image(30, 20, seed=3)]
+    urls = []
+    for image in images:
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(out.getvalue()).decode())
+    messages = [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                             {"type": "text", "text": QUESTION}]}]
+    model, processor = load(folder)
+    text = processor.apply_chat_template([{"role": "user", "content": processor.placeholder * 2 + QUESTION}],
+                                         add_generation_prompt=True, tokenize=False)
+    expected = generate(model, processor, text, images=images, max_tokens=6, sampler=make_sampler(temp=0.0))
+    for process in served("--model", str(folder), "--max-tokens", "6", "--log-level", "warning"):
+        body = chat(spec_checking_http_client(), process, messages, temperature=0).json()
+        assert body["choices"][0]["message"]["content"] == expected and expected.strip()
+        assert body["usage"]["prompt_tokens"] == len(processor.prepare(text, images)[0])
