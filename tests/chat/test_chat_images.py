@@ -203,8 +203,6 @@ def test_lfm2_vl_images_and_a_follow_up(tmp_path):
 def test_qwen_images_in_chat_are_a_one_line_error(tmp_path, pictures):
     """Qwen's images need M-RoPE positions the chat's rows do not carry yet: /image says so
     in one line (``generate --image`` takes them)."""
-    from fixtures.qwen_vision_models import qwen_vl_folder
-
     folder, _, _ = qwen_vl_folder("qwen2_vl", tmp_path)
     model, processor = load(folder)
     session = ChatSession(model, processor, Settings(max_tokens=4), on_notice=lambda text: None)
