@@ -1,8 +1,8 @@
 """A request's images, ready for the engine: ``read_images(processor, sources)`` runs the
 family's preprocessing once (tokenizer/images.py, which refuses what is not an image, a
 truncated file and a decompression bomb) and returns ``ImageInputs``: the pixel values of
-every view, how many image tokens each image takes, the tile grid the prompt writes, and
-a content digest per image.
+every view (Qwen's: every image's patches, with their ``grid_thw``), how many image tokens
+each image takes, the tile grid the prompt writes, and a content digest per image.
 
 The digests key the shared prefix cache: image tokens all have one id, so two different
 pictures after the same text would look alike to a cache that compares ids. ``cache_keys``
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +26,8 @@ import numpy as np
 from ..errors import UserError
 from ..tokenizer.image_tokens import expand_image_placeholders
 from ..tokenizer.images import preprocess_images
+from ..tokenizer.qwen_images import image_token_counts as qwen_tokens_per_image
+from ..tokenizer.qwen_processor import QwenVisionProcessor
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ImageInputs:
     rows: tuple[int, ...]  # Idefics3's tile grid per image (else 0)
     cols: tuple[int, ...]
     digests: tuple[str, ...]  # sha256 of each image's pixel values
+    tower_inputs: dict = field(default_factory=dict)  # encode_images' other inputs (Qwen's grid_thw, a row per image)
 
     def __len__(self) -> int:
         return len(self.tokens_per_image)
@@ -44,6 +47,8 @@ class ImageInputs:
     def expand(self, processor, text: str) -> str:
         """``text`` with each image placeholder written out as its image's tokens (no
         placeholder at all: the images go first), as ``VisionProcessor.prepare`` does."""
+        if isinstance(processor, QwenVisionProcessor):  # its runs follow each image's grid
+            return processor.expand_images(text, self.tower_inputs["grid_thw"])
         if len(self) and processor.placeholder not in text:
             text = processor.placeholder * len(self) + text
         return expand_image_placeholders(text, processor.image_prompt, list(self.rows), list(self.cols))
@@ -66,14 +71,17 @@ class ImageInputs:
 
     def encode(self, model) -> mx.array:
         """The images' features (n_image_tokens, D), one row per image token in order."""
-        features = model.encode_images(mx.array(self.pixel_values))
+        features = model.encode_images(mx.array(self.pixel_values), **self.tower_inputs)
         mx.eval(features)
         return features
 
 
 def read_images(processor, sources: list) -> ImageInputs:
     """Images (paths, encoded bytes or PIL images) -> ``ImageInputs`` for ``processor`` (a
-    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``."""
+    ``VisionProcessor`` or ``QwenVisionProcessor``); anything that is not a readable image is
+    a one-line ``UserError``."""
+    if isinstance(processor, QwenVisionProcessor):
+        return read_qwen_images(processor, sources)
     inputs = preprocess_images(sources, processor.processing)
     per_view = processor.image_prompt.tokens_per_view
     starts = np.cumsum([0, *inputs["views"]])
@@ -84,13 +92,27 @@ def read_images(processor, sources: list) -> ImageInputs:
                        rows=tuple(inputs["rows"]), cols=tuple(inputs["cols"]), digests=digests)
 
 
+def read_qwen_images(processor: QwenVisionProcessor, sources: list) -> ImageInputs:
+    """Qwen's images -> ``ImageInputs``: one run of patches per image, in ``grid_thw``'s
+    order; an image's digest covers its grid too (equal bytes cut another way differ)."""
+    pixel_values, grids = processor.preprocess(sources)
+    starts = np.cumsum([0, *(int(np.prod(grid)) for grid in grids)])  # each image's first patch
+    digests = tuple(hashlib.sha256(grid.tobytes() + np.ascontiguousarray(pixel_values[a:b]).tobytes()).hexdigest()
+                    for grid, a, b in zip(grids, starts[:-1], starts[1:]))
+    return ImageInputs(pixel_values=pixel_values,
+                       tokens_per_image=tuple(qwen_tokens_per_image(grids, processor.settings.merge_size)),
+                       rows=(0,) * len(grids), cols=(0,) * len(grids), digests=digests,
+                       tower_inputs={"grid_thw": grids})
+
+
 def joined(parts: list[ImageInputs]) -> ImageInputs:
     """Several prompts' worth of images as one, in order (each read on its own, so that a
     refusal names its image)."""
     shapes = {part.pixel_values.shape[1:] for part in parts}
     if len(shapes) > 1:
         raise UserError("these images resize to different sizes; send them one request at a time")
-    return ImageInputs(pixel_values=np.concatenate([part.pixel_values for part in parts]),
+    tower_inputs = {name: np.concatenate([part.tower_inputs[name] for part in parts]) for name in parts[0].tower_inputs}
+    return ImageInputs(pixel_values=np.concatenate([part.pixel_values for part in parts]), tower_inputs=tower_inputs,
                        **{name: sum((getattr(part, name) for part in parts), ())
                           for name in ("tokens_per_image", "rows", "cols", "digests")})
 
@@ -103,4 +125,4 @@ def image_token_counts(prompt: list[int], image_token_id: int) -> list[int]:
     return counts
 
 
-__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images"]
+__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images", "read_qwen_images"]
