@@ -18,7 +18,6 @@ import mlx.core as mx
 from ..engine.images import ImageInputs, joined, read_images
 from ..errors import UserError
 from ..generation.images import ImageBoundModel, check_takes_images
-from ..tokenizer.qwen_processor import QwenVisionProcessor
 
 
 class ChatImages:
@@ -37,9 +36,6 @@ class ChatImages:
         """Read, preprocess and encode the image at ``path`` for the next message; returns
         its digest. A text-only model, a missing file or a non-image is a ``UserError``."""
         check_takes_images(self.model, self.processor)
-        if isinstance(self.processor, QwenVisionProcessor):  # its M-RoPE positions are not in the session yet
-            raise UserError(f"{self.model.args.model_type}'s images are not in the chat yet: "
-                            "use mlx-tfm generate --image")
         inputs = read_images(self.processor, [path])
         digest = inputs.digests[0]
         self.paths.setdefault(digest, str(path))
@@ -111,12 +107,15 @@ class ChatImages:
 
     def bound(self, messages: list[dict], target: list[int]):
         """The model to feed ``target`` (the rendered ``messages``) through: bound to their
-        images' features, or the model itself when they have none."""
+        images' features (and, for Qwen's models, the conversation's M-RoPE positions), or
+        the model itself when they have none."""
         digests = self.of(messages)
         if not digests:
             return self.model
         features = mx.concatenate([self.features[d] for d in digests])
-        return ImageBoundModel(self.model, features, target)
+        grids = joined([self.inputs[d] for d in digests]).tower_inputs.get("grid_thw")
+        rope = None if grids is None else self.model.rope_positions(target, grids)
+        return ImageBoundModel(self.model, features, target, rope)
 
 
 def refuse_with_draft(draft_model) -> None:
