@@ -104,3 +104,20 @@ def test_a_prefix_cached_with_the_image_continues_at_its_positions(qwen):
     text_before = 0 if engine.scheduler.recurrent else other.prompt.index(model.vision_args.image_token_id)
     assert other_final.cached_tokens == text_before
     assert other_tokens == reference_tokens(model, processor, images[1])
+
+
+def test_image_tokens_that_do_not_follow_the_grid_are_one_line(qwen):
+    """The right count of image tokens, but one image's run cut in two by text: its M-RoPE
+    positions cannot be laid out, so the request ends with a one-line error."""
+    model, processor = qwen
+    request = image_request(processor, two_images()[0])
+    start = request.prompt.index(model.vision_args.image_token_id)
+    cut = Request(request.prompt[:start + 2] + [request.prompt[0]] + request.prompt[start + 2:], 2, GREEDY,
+                  images=request.images)
+    events = []
+    engine = Engine(model, processor)
+    engine.submit(cut, events.append)
+    while engine.step():
+        pass
+    assert events[-1].finish_reason == "error" and "has 2 image tokens in the prompt" in events[-1].error
+    assert "\n" not in events[-1].error
