@@ -107,12 +107,15 @@ class ChatImages:
 
     def bound(self, messages: list[dict], target: list[int]):
         """The model to feed ``target`` (the rendered ``messages``) through: bound to their
-        images' features, or the model itself when they have none."""
+        images' features (and, for Qwen's models, the conversation's M-RoPE positions), or
+        the model itself when they have none."""
         digests = self.of(messages)
         if not digests:
             return self.model
         features = mx.concatenate([self.features[d] for d in digests])
-        return ImageBoundModel(self.model, features, target)
+        grids = joined([self.inputs[d] for d in digests]).tower_inputs.get("grid_thw")
+        rope = None if grids is None else self.model.rope_positions(target, grids)
+        return ImageBoundModel(self.model, features, target, rope)
 
 
 def refuse_with_draft(draft_model) -> None:

@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..generation.sampling import SamplingRows, log_normalizer, sample_rows
 from .batch_cache import BatchCache
 from .outputs import Outputs
-from .rows import Row, RowBatch
+from .rows import Row, RowBatch, mrope_inputs
 
 log = logging.getLogger("mlx_tfm.engine")
 
@@ -99,7 +99,8 @@ class DecodePipeline:
             if self.sampling is None:
                 self.sampling = SamplingRows([r.settings for r in rows])
                 self.keys = mx.stack([r.key for r in rows])
-            logits = self.model(self._inputs(rows, previous), cache=self.batch.caches)[:, -1, :]  # (B, V)
+            positions = mrope_inputs(rows, 1)  # Qwen's image rows: each at its own M-RoPE position
+            logits = self.model(self._inputs(rows, previous), cache=self.batch.caches, **positions)[:, -1, :]  # (B, V)
             for row in rows:
                 row.fed += 1
             logits = self._process(rows, self.sampling.add_logit_bias(logits))

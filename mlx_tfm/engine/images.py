@@ -1,9 +1,9 @@
 """A request's images, ready for the engine: ``read_images(processor, sources)`` runs the
 family's preprocessing once (``VisionProcessor.preprocess``, through tokenizer/images.py's
 loader, which refuses what is not an image, a truncated file and a decompression bomb) and
-returns ``ImageInputs``: the pixel values of every view and the tower's other inputs
-(LFM2-VL's patch grids), how many image tokens each image takes, the tile grid the prompt
-writes, and a content digest per image.
+returns ``ImageInputs``: the pixel values of every view (Qwen's: every image's patches) and the
+tower's other inputs (LFM2-VL's patch grids, Qwen's ``grid_thw``), how many image tokens each
+image takes, the tile grid the prompt writes, and a content digest per image.
 
 The digests key the shared prefix cache: image tokens all have one id, so two different
 pictures after the same text would look alike to a cache that compares ids. ``cache_keys``
@@ -26,7 +26,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..tokenizer.image_tokens import expand_image_placeholders, image_token_count
-from ..tokenizer.vision_processor import VisionProcessor
+from ..tokenizer.qwen_images import image_token_counts as qwen_tokens_per_image
+from ..tokenizer.qwen_processor import QwenVisionProcessor
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class ImageInputs:
     cols: tuple[int, ...]
     digests: tuple[str, ...]  # sha256 of each image's pixel values (and tower inputs)
     whole_tokens: tuple[int, ...] = ()  # LFM2-VL: the tokens of each image's whole-image view
-    tower_inputs: dict = field(default_factory=dict)  # encode_images' other inputs, one row per view
+    # encode_images' other inputs: LFM2-VL's a row per view, Qwen's grid_thw a row per image
+    tower_inputs: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens_per_image)
@@ -47,6 +49,8 @@ class ImageInputs:
     def expand(self, processor, text: str) -> str:
         """``text`` with each image placeholder written out as its image's tokens (no
         placeholder at all: the images go first), as ``VisionProcessor.prepare`` does."""
+        if isinstance(processor, QwenVisionProcessor):  # its runs follow each image's grid
+            return processor.expand_images(text, self.tower_inputs["grid_thw"])
         if len(self) and processor.placeholder not in text:
             text = processor.placeholder * len(self) + text
         return expand_image_placeholders(text, processor.image_prompt, list(self.rows), list(self.cols),
@@ -77,11 +81,10 @@ class ImageInputs:
 
 def read_images(processor, sources: list) -> ImageInputs:
     """Images (paths, encoded bytes or PIL images) -> ``ImageInputs`` for ``processor`` (a
-    ``VisionProcessor``); anything that is not a readable image is a one-line ``UserError``,
-    and so is a processor whose images the engine does not take (Qwen's: M-RoPE positions)."""
-    if not isinstance(processor, VisionProcessor):
-        raise UserError("this model's images (M-RoPE positions) are not in chat and the server yet: use "
-                        "mlx-tfm generate --image")
+    ``VisionProcessor`` or ``QwenVisionProcessor``); anything that is not a readable image is
+    a one-line ``UserError``."""
+    if isinstance(processor, QwenVisionProcessor):
+        return read_qwen_images(processor, sources)
     inputs = processor.preprocess(sources)
     tower_inputs = {name: inputs[name] for name in processor.tower_input_names}
     whole_tokens = inputs.get("whole_tokens") or [0] * len(inputs["views"])
@@ -104,6 +107,18 @@ def view_digest(arrays: list[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def read_qwen_images(processor: QwenVisionProcessor, sources: list) -> ImageInputs:
+    """Qwen's images -> ``ImageInputs``: one run of patches per image, in ``grid_thw``'s
+    order; an image's digest covers its grid too (equal bytes cut another way differ)."""
+    pixel_values, grids = processor.preprocess(sources)
+    starts = np.cumsum([0, *(int(np.prod(grid)) for grid in grids)])  # each image's first patch
+    digests = tuple(view_digest([grid, pixel_values[a:b]]) for grid, a, b in zip(grids, starts[:-1], starts[1:]))
+    return ImageInputs(pixel_values=pixel_values,
+                       tokens_per_image=tuple(qwen_tokens_per_image(grids, processor.settings.merge_size)),
+                       rows=(0,) * len(grids), cols=(0,) * len(grids), digests=digests,
+                       tower_inputs={"grid_thw": grids})
+
+
 def joined(parts: list[ImageInputs]) -> ImageInputs:
     """Several prompts' worth of images as one, in order (each read on its own, so that a
     refusal names its image)."""
@@ -124,4 +139,4 @@ def image_token_counts(prompt: list[int], image_token_id: int) -> list[int]:
     return counts
 
 
-__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images"]
+__all__ = ["ImageInputs", "image_token_counts", "joined", "read_images", "read_qwen_images"]

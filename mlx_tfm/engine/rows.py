@@ -1,7 +1,11 @@
 """The engine's view of a request: a ``Row`` (its tokens, how far its cache has read them,
 its sampling settings, random key, processors and text pieces) and a ``RowBatch`` (rows
 with one batched cache per layer, kept in step: row i of every layer is ``rows[i]``).
-The prefill group and the decoding batch are each a ``RowBatch``."""
+The prefill group and the decoding batch are each a ``RowBatch``.
+
+A row with images on a Qwen model (M-RoPE) carries its prompt's 3D positions and its
+rope_delta (``Row.rope``): every chunk and decoding step of a batch holding such a row
+passes each row's positions (``mrope_inputs``), so that each turns at its own."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from ..errors import UserError
 from ..generation.sampling import penalties_for
 from ..generation.step import context_room
 from ..generation.stream import TextPieces
+from ..model.mrope import sequence_positions
 from ..model.vision_language import VisionLanguageModel
 from .batch_cache import BatchCache
 from .images import image_token_counts
@@ -41,6 +46,7 @@ class Row:
         self.prompt_keys = self.tokens[:]  # what the prefix cache compares (images: their keys)
         self.image_counts: list[int] | None = None  # image tokens before each prompt position
         self.features: mx.array | None = None  # the images' features, once a chunk needs them
+        self.rope: tuple[mx.array, int] | None = None  # M-RoPE: the prompt's positions (3, 1, L), its rope_delta
 
     @property
     def prompt_length(self) -> int:
@@ -69,6 +75,11 @@ class Row:
             self.features = self.request.images.encode(model)
         return self.features[self.image_counts[start]:self.image_counts[end]]
 
+    def positions(self, length: int) -> mx.array:
+        """M-RoPE positions (3, 1, length) of the row's next ``length`` tokens (from ``fed``):
+        its prompt's, then text ``rope_delta`` behind the count; a text row's are its indices."""
+        return sequence_positions(*(self.rope or (None, 0)), self.fed, length)
+
     def _prepare_images(self, model) -> None:
         """Check the request's images against the model and its prompt; key them."""
         images, prompt = self.request.images, self.request.prompt
@@ -84,6 +95,8 @@ class Row:
             raise UserError("the prompt ends with an image's tokens: put text after the image")
         self.prompt_keys = images.cache_keys(prompt, image_token_id)
         self.image_counts = image_token_counts(prompt, image_token_id)
+        if "grid_thw" in images.tower_inputs:  # Qwen's: the positions follow each image's grid
+            self.rope = model.rope_positions(prompt, images.tower_inputs["grid_thw"])
 
     def event(self, token, text, finish_reason, logprob=None, top=None, error=None, internal=False) -> Event:
         return Event(token=token, text=text, logprob=logprob, top_logprobs=top, finish_reason=finish_reason,
@@ -112,6 +125,14 @@ class Row:
         # the logit bias is added for the whole batch at once (SamplingRows); these run per row
         self.processors = penalties_for(self.settings, len(prompt)) + list(request.logits_processors)
         self.pieces = TextPieces(tokenizer, mx.array(prompt), list(request.stop_strings))
+
+
+def mrope_inputs(rows: list[Row], length: int) -> dict:
+    """``{"positions": (3, B, length)}``, every row's next ``length`` positions, when a row
+    turns by its images' M-RoPE positions; else ``{}`` (each row turns at its offset)."""
+    if all(row.rope is None for row in rows):
+        return {}
+    return {"positions": mx.concatenate([row.positions(length) for row in rows], axis=1)}
 
 
 class RowBatch:
@@ -168,4 +189,4 @@ class RowBatch:
         self.rows, self.caches = [], self._empty()
 
 
-__all__ = ["Row", "RowBatch"]
+__all__ = ["Row", "RowBatch", "mrope_inputs"]

@@ -28,7 +28,7 @@ from .batch_cache import BatchCache
 from .batch_state_cache import row_states
 from .outputs import Outputs
 from .prefix_cache import PrefixCache
-from .rows import Row, RowBatch
+from .rows import Row, RowBatch, mrope_inputs
 
 log = logging.getLogger("mlx_tfm.engine")
 MAX_PADDING_SHARE = 0.25  # of a prefill chunk's positions (see chunk_length)
@@ -121,7 +121,7 @@ class Scheduler:
             features = [f for f in features if f is not None]  # row by row, as the chunk's image tokens come
             images = {"image_features": mx.concatenate(features)} if features else {}
             with prompt_layer_by_layer():
-                self.model(chunk, cache=self.group.caches, **images)
+                self.model(chunk, cache=self.group.caches, **images, **mrope_inputs(rows, length))
             for layer in self.group.caches:
                 layer.drop_padding([length - n for n in feeds])
             mx.eval([layer.state for layer in self.group.caches])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import UserError
-from ..model.mrope import decode_positions
+from ..model.mrope import sequence_positions
 from ..model.vision_language import VisionLanguageModel
 from ..tokenizer import Tokenizer
 from ..tokenizer.qwen_processor import QwenVisionProcessor
@@ -50,14 +50,7 @@ class ImageBoundModel:
     def positions(self, offset: int, length: int) -> mx.array | None:
         """M-RoPE positions (3, 1, length) of the tokens from ``offset`` on: the prompt's
         own, then (past the prompt) text positions ``rope_delta`` behind the count."""
-        if self.rope is None:
-            return None
-        prompt_positions, rope_delta = self.rope
-        end = min(offset + length, self.n_prompt)
-        pieces = [prompt_positions[:, :, offset:end]] if offset < end else []
-        if offset + length > end:
-            pieces.append(decode_positions(max(offset, end), [rope_delta], offset + length - max(offset, end)))
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        return None if self.rope is None else sequence_positions(*self.rope, offset, length)
 
     def make_cache(self, max_kv_size: int | None = None, keep: int = 0) -> list:
         return self.model.make_cache(max_kv_size, keep)

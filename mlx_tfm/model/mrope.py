@@ -156,3 +156,16 @@ def decode_positions(offset: int, rope_deltas: list[int], length: int = 1) -> mx
     axis at offset + rope_delta onwards (the prompt's images pushed the positions on)."""
     rows = mx.array(rope_deltas)[:, None] + mx.arange(offset, offset + length)  # (B, L)
     return mx.broadcast_to(rows[None], (3, *rows.shape))
+
+
+def sequence_positions(prompt_positions: mx.array | None, rope_delta: int, offset: int, length: int) -> mx.array:
+    """Positions (3, 1, length) of one sequence's tokens from ``offset`` on: the prompt's
+    own (``prompt_positions`` (3, 1, n), from ``multimodal_positions``; None: a text
+    prompt, every axis at the token's index), then past the prompt text positions
+    ``rope_delta`` behind the count (``decode_positions``)."""
+    n_prompt = 0 if prompt_positions is None else prompt_positions.shape[2]
+    end = min(offset + length, n_prompt)
+    pieces = [prompt_positions[:, :, offset:end]] if offset < end else []
+    if offset + length > end:
+        pieces.append(decode_positions(max(offset, end), [rope_delta], offset + length - max(offset, end)))
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)  # (3, 1, length)

@@ -52,12 +52,11 @@ def image_bytes(url: str, param: str, allow_local: bool) -> bytes | Path:
     raise invalid(param, f"{param}: an image is a data: URL (or file:// with --allow-local-images), not {url[:40]!r}")
 
 
-def check_takes_images(serving, param: str) -> VisionProcessor:
+def check_takes_images(serving, param: str) -> VisionProcessor | QwenVisionProcessor:
     """The serving model's processor, or a 400 when it reads text only (or its images are
     not in the batching engine yet)."""
-    if isinstance(serving.tokenizer, QwenVisionProcessor):  # the engine's rows carry no M-RoPE positions
-        raise invalid(param, f"{param}: {serving.model_type}'s images (M-RoPE positions) are not in the batching "
-                      "engine yet: use mlx-tfm generate --image", code="images_not_supported")
+    if isinstance(serving.tokenizer, QwenVisionProcessor):  # its rows carry their M-RoPE positions (engine/rows.py)
+        return serving.tokenizer
     if not isinstance(serving.tokenizer, VisionProcessor):
         raise invalid(param, f"{param}: this model ({serving.model_type or 'text-only'}) reads text only: it takes "
                       "no images", code="images_not_supported")

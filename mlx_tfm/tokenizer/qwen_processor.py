@@ -41,11 +41,20 @@ class QwenVisionProcessor(Tokenizer):
     def prepare_inputs(self, text: str, images: list) -> tuple[list[int], np.ndarray, dict]:
         """``text`` with one ``<|image_pad|>`` per image (none written: each image goes
         first, between its vision markers) -> (token ids, pixel values, image inputs)."""
-        pixel_values, grids = preprocess_images([load_image(image) for image in images], self.settings)
-        if images and self.placeholder not in text:
-            text = IMAGE_BLOCK * len(images) + text
-        expanded = expand_image_tokens(text, grids, self.settings.merge_size, IMAGE_TOKEN)
-        return self.encode(expanded, add_special_tokens=False), pixel_values, {"grid_thw": grids}
+        pixel_values, grids = self.preprocess(images)
+        return self.encode(self.expand_images(text, grids), add_special_tokens=False), pixel_values, {"grid_thw": grids}
+
+    def preprocess(self, images: list) -> tuple[np.ndarray, np.ndarray]:
+        """Images (paths, encoded bytes or PIL images) -> (pixel values (patches, C * T * P
+        * P), ``grid_thw`` (n_images, 3)); what is not a readable image is a ``UserError``."""
+        return preprocess_images([load_image(image) for image in images], self.settings)
+
+    def expand_images(self, text: str, grids: np.ndarray) -> str:
+        """``text`` with each ``<|image_pad|>`` written out as its image's tokens (none
+        written: the images go first, each between its vision markers)."""
+        if len(grids) and self.placeholder not in text:
+            text = IMAGE_BLOCK * len(grids) + text
+        return expand_image_tokens(text, grids, self.settings.merge_size, IMAGE_TOKEN)
 
     def prepare(self, text: str, images: list) -> tuple[list[int], np.ndarray]:
         """(token ids, pixel values), as ``VisionProcessor.prepare``; the tower also needs

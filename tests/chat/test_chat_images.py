@@ -3,7 +3,8 @@ an LFM2-VL, whose tower takes patch grids): answers equal greedy decoding of the
 rendered conversation from scratch, bound to its images' features (generation/images.py's
 ImageBoundModel, or ``generate``); a follow-up question
 feeds only its new tokens and never runs the tower again; /undo and asking again give
-the same answer; a bad path or a non-image is one line and the session goes on."""
+the same answer; a bad path or a non-image is one line and the session goes on. Qwen2.5-VL's
+images (M-RoPE positions) against ``generate`` over the whole conversation."""
 
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from mlx_tfm.engine.images import joined, read_images
 from mlx_tfm.errors import UserError
 from mlx_tfm.generation.images import ImageBoundModel
 from mlx_tfm.generation.sampling import make_sampler
-from mlx_tfm.generation.stream import stream_generate
+from mlx_tfm.generation.stream import generate, stream_generate
 from mlx_tfm.model.vision_tower import VisionTower
 
 
@@ -141,6 +142,30 @@ def test_bad_images_are_one_line_and_the_session_goes_on(llava, pictures, storie
         run_command(text_session, f"/image {paths[0]}")
 
 
+def test_a_qwen_image_and_a_follow_up_question(pictures, tmp_path):
+    """Qwen's images (here Qwen2.5-VL's) turn by M-RoPE positions: each answer is
+    ``generate`` over the whole conversation with its image, and the follow-up feeds only
+    its new tokens, its positions still rope_delta behind the count."""
+    model, processor = load(qwen_vl_folder("qwen2_5_vl", tmp_path)[0])
+    paths, _ = pictures
+    session = ChatSession(model, processor, Settings(max_tokens=6), on_notice=lambda text: None)
+    assert "1 image(s)" in run_command(session, f"/image {paths[0]}")
+    first = ask(session, "describe this")
+    messages = [processor.image_message("describe this", 1)]
+
+    def from_scratch() -> str:
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return generate(model, processor, text, images=[paths[0]], max_tokens=6)
+
+    assert first == from_scratch()
+    second = ask(session, "and that")
+    keys = session.cache.tokens  # the image's tokens recorded by its key (negative)
+    after_image = max(i for i, key in enumerate(keys) if key < 0) + 1
+    assert session.last_stats.new_prompt_tokens <= len(keys) - after_image  # the image was not fed again
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "and that"}]
+    assert second == from_scratch()
+
+
 def test_image_in_the_repl(folder, llava, pictures):
     """`mlx-tfm chat` with piped input: bad /image lines are one bracketed line each and
     the chat goes on; the answer about the attached image is the session's."""
@@ -200,12 +225,3 @@ def test_lfm2_vl_images_and_a_follow_up(tmp_path):
     assert second == expected([*turns, {"role": "assistant", "content": first}, {"role": "user", "content": "and that"}])
 
 
-def test_qwen_images_in_chat_are_a_one_line_error(tmp_path, pictures):
-    """Qwen's images need M-RoPE positions the chat's rows do not carry yet: /image says so
-    in one line (``generate --image`` takes them)."""
-    folder, _, _ = qwen_vl_folder("qwen2_vl", tmp_path)
-    model, processor = load(folder)
-    session = ChatSession(model, processor, Settings(max_tokens=4), on_notice=lambda text: None)
-    with pytest.raises(UserError, match="not in chat and the server yet") as error:
-        run_command(session, f"/image {pictures[0][0]}")
-    assert "\n" not in str(error.value) and session.images.pending == []  # the session goes on

@@ -2,7 +2,8 @@
 random LLaVA (and an LFM2-VL, whose tower takes patch grids): OpenAI's image_url parts,
 Ollama's images, against the one-sequence path in this process (generation/images.py's
 ImageBoundModel over the same ids, or ``generate``); the prefix cache keyed by the image's
-content; every bad image a one-line 400. Every JSON answer is checked against OpenAI's spec
+content; every bad image a one-line 400. Qwen3-VL's and Qwen3.5's images (M-RoPE) against
+``generate`` with them. Every JSON answer is checked against OpenAI's spec
 (fixtures/openai_spec.py)."""
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from fixtures.vision_serving import llava_folder, png_bomb, png_bytes
 
 from mlx_tfm import load
 from mlx_tfm.engine.images import read_images
-from mlx_tfm.generation.images import ImageBoundModel
+from mlx_tfm.generation.images import ImageBoundModel, image_prompt_text
 from mlx_tfm.generation.sampling import make_sampler
-from mlx_tfm.generation.stream import stream_generate
+from mlx_tfm.generation.stream import generate, stream_generate
 
 QUESTION = "describe this picture"
 
@@ -193,14 +194,34 @@ def test_an_image_for_a_text_only_model(stories_hf):
                      param="messages.0.content.1.type")
 
 
-def test_qwen_images_are_refused_until_the_engine_takes_m_rope(tmp_path):
-    """Qwen's images (here Qwen3.5's) need M-RoPE positions, which the engine's rows do not
-    carry yet: a one-line 400 that points to generate --image, not a wrong answer."""
-    folder = qwen_vl_folder("qwen3_5", tmp_path)[0]
-    for process in served("--model", str(folder), "--max-tokens", "4", "--log-level", "warning"):
-        one_line_400(chat(spec_checking_http_client(), process, part(data_url(0))),
-                     "qwen3_5's images (M-RoPE positions) are not in the batching engine yet",
-                     param="messages.0.content.1.type")
+@pytest.mark.parametrize("style", ["qwen3_vl", "qwen3_5"])
+def test_qwen_images_answer_as_generate_does_alone_beside_other_rows_and_from_the_cache(style, tmp_path):
+    """Qwen's images (M-RoPE positions, each row its own rope_delta): an image answers as
+    ``generate`` with it, also while text rows and an image of another size run beside
+    it; asking again reuses the cached prompt, image included, and answers the same."""
+    folder = qwen_vl_folder(style, tmp_path)[0]
+    model, processor = load(folder)
+    text = image_prompt_text(model, processor, QUESTION, 1)
+    expected = [generate(model, processor, text, images=[png_bytes(i)], max_tokens=6) for i in (0, 1)]
+    http = spec_checking_http_client()
+    for process in served("--model", str(folder), "--max-tokens", "6", "--log-level", "warning"):
+        first = chat(http, process, [image_message(0)]).json()
+        assert first["choices"][0]["message"]["content"] == expected[0]
+        answers = {}
+
+        def ask(name, messages):
+            answers[name] = chat(httpx.Client(timeout=120), process, messages).json()["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=ask, args=(f"text{i}", [{"role": "user", "content": "describe that"}]))
+                   for i in range(2)] + [threading.Thread(target=ask, args=("image1", [image_message(1)]))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert answers["image1"] == expected[1] and answers["text0"] == answers["text1"]
+        again = chat(http, process, [image_message(0)]).json()
+        assert again["choices"][0]["message"]["content"] == expected[0]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
 
 
 def test_responses_input_image_and_a_follow_up(http, server, llava):
