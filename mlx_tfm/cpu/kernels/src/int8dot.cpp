@@ -21,7 +21,7 @@ const Int8Kernels& best_int8_kernels() {
 }
 
 void quantize_activations(const float* x, int64_t m, int64_t k, int group_size, int bits, int8_t* x_int8,
-                          float* block_scales, float* int8_group_sums) {
+                          float* lane_scales, float* int8_group_sums) {
   const int64_t blocks = m * k / ACT_BLOCK, per_group = group_size / ACT_BLOCK;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* from = x + b * ACT_BLOCK;
@@ -40,16 +40,18 @@ void quantize_activations(const float* x, int64_t m, int64_t k, int group_size, 
       rounded[i] = v == v ? static_cast<int8_t>(v) : 0;
       total += rounded[i];
     }
-    int8_t* to = x_int8 + b * ACT_BLOCK;
-    if (bits == 4) {  // the even values, then the odd ones (int8dot.h)
+    if (bits == 4) {  // the even values, then the odd ones, of this block or of its pair (int8dot.h)
+      const bool paired = group_size >= 2 * ACT_BLOCK;
+      int8_t* evens = x_int8 + (paired ? (b & ~int64_t{1}) * ACT_BLOCK + (b & 1) * ACT_BLOCK / 2 : b * ACT_BLOCK);
+      int8_t* odds = evens + (paired ? ACT_BLOCK : ACT_BLOCK / 2);
       for (int i = 0; i < ACT_BLOCK / 2; ++i) {
-        to[i] = rounded[2 * i];
-        to[ACT_BLOCK / 2 + i] = rounded[2 * i + 1];
+        evens[i] = rounded[2 * i];
+        odds[i] = rounded[2 * i + 1];
       }
     } else {
-      std::memcpy(to, rounded, ACT_BLOCK);
+      std::memcpy(x_int8 + b * ACT_BLOCK, rounded, ACT_BLOCK);
     }
-    block_scales[b] = scale;
+    for (int lane = 0; lane < 4; ++lane) lane_scales[4 * b + lane] = scale;
     if (b % per_group == 0) int8_group_sums[b / per_group] = 0.0f;
     int8_group_sums[b / per_group] += scale * static_cast<float>(total);
   }

@@ -17,9 +17,9 @@ namespace mlx_tfm_kernels {
 constexpr int ACT_BLOCK = 32;
 
 // x (m, k) as int8 blocks against MLX's affine w (QuantizedProduct's layout: w_value =
-// scale * q + bias per group). For block b of position i, x ~ x_block_scales[i, b] * x_int8;
+// scale * q + bias per group). For block b of position i, x ~ x_lane_scales[i, 4 b] * x_int8;
 // a group's contribution to y is
-//   scale * sum_b x_block_scales[b] * (q_b . x_int8_b) + bias * x_int8_group_sums[g],
+//   scale * sum_b block_scale[b] * (q_b . x_int8_b) + bias * x_int8_group_sums[g],
 // the bias term with the sum of the rounded x, as llama.cpp's Q8_1 keeps it: then the error
 // is sum (scale * q + bias) * (rounded x - x), the weights' own values times x's rounding.
 // With the exact sum of x it is sum scale * q * (rounded x - x), and scale * q spans the
@@ -32,9 +32,13 @@ struct Int8Product {
   const void* biases;
   Real scale_type;
   // (m, k): for 4 bits each block's even values first, then its odd ones (a byte of w holds
-  // two neighbours, its low nibble the even one); for 8 bits as x.
+  // two neighbours, its low nibble the even one), and from groups of 64 on, each pair of
+  // blocks' even values (block by block), then their odd ones (32 bytes of w, two blocks, are
+  // read at once); for 8 bits as x.
   const int8_t* x_int8;
-  const float* x_block_scales;     // (m, k / ACT_BLOCK)
+  // (m, 4 * k / ACT_BLOCK): each block's scale four times, as the lanes of the integer dot
+  // products hold their sums (a pair of blocks' scales is one load).
+  const float* x_lane_scales;
   const float* x_int8_group_sums;  // (m, k / group_size): the sums of the rounded x (block scale * x_int8)
   int64_t m;
   float* y;                        // (m, n)
@@ -56,11 +60,11 @@ namespace generic { const Int8Kernels& int8_kernels(); }
 // AVX2 set's (every AVX-512 CPU runs AVX2; the integer dot products are 256 bits wide either way).
 const Int8Kernels& best_int8_kernels();
 
-// x (m, k) float32 into an Int8Product's x_int8, x_block_scales and x_int8_group_sums
+// x (m, k) float32 into an Int8Product's x_int8, x_lane_scales and x_int8_group_sums
 // each block's scale is its largest magnitude / 127 (NaN where the block holds a NaN, so
 // the product is NaN as the float one is), its values x / scale rounded to the nearest
 // integer (ties to even), so |x_int8| <= 127.
 void quantize_activations(const float* x, int64_t m, int64_t k, int group_size, int bits, int8_t* x_int8,
-                          float* block_scales, float* int8_group_sums);
+                          float* lane_scales, float* int8_group_sums);
 
 }  // namespace mlx_tfm_kernels

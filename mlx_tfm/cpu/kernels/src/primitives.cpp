@@ -139,17 +139,17 @@ void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
 // x rounded to int8 blocks for the int8 products (int8dot.h), in this thread's scratch.
 struct Int8Activations {
   const int8_t* x_int8;
-  const float* block_scales;
+  const float* lane_scales;
   const float* int8_group_sums;
 };
 
 Int8Activations int8_activations_of(const float* x32, int64_t m, int64_t k, int group_size, int bits) {
   // int8 values in a float buffer: a quarter of the floats, on a cache line like the rest
   int8_t* x_int8 = reinterpret_cast<int8_t*>(scratch(X_INT8, (m * k + 3) / 4));
-  float* block_scales = scratch(X_BLOCK_SCALES, m * k / ACT_BLOCK);
+  float* lane_scales = scratch(X_BLOCK_SCALES, 4 * m * k / ACT_BLOCK);
   float* int8_sums = scratch(X_INT8_SUMS, m * k / group_size);
-  quantize_activations(x32, m, k, group_size, bits, x_int8, block_scales, int8_sums);
-  return {x_int8, block_scales, int8_sums};
+  quantize_activations(x32, m, k, group_size, bits, x_int8, lane_scales, int8_sums);
+  return {x_int8, lane_scales, int8_sums};
 }
 
 // The products x @ w_i.T of in = {x, then each w (float) or each w, scales, biases (bits 4
@@ -200,7 +200,7 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
       const QuantizedProduct& q = quants.back();
       if (int8)
         int8s.push_back({q.w, bits, group_size, n, k, q.scales, q.biases, q.scale_type, rounded.x_int8,
-                         rounded.block_scales, rounded.int8_group_sums, m, ys[i]});
+                         rounded.lane_scales, rounded.int8_group_sums, m, ys[i]});
     } else {
       floats.push_back({contiguous_bytes(w, copies[i]), real_of(w.dtype()), n, k, x32, m, ys[i]});
     }
