@@ -11,7 +11,7 @@ route (``mlx_tfm.cpu.linear.half_product``) and as numpy's float32 product of th
 cycles through 4 distinct weights, so that it reads them from memory as a model does. And
 (``--section int8``) the quantized decoding products at those shapes, 4- and 8-bit group 64,
 ``--int8-rows`` positions: the kernel's float route against its int8 activations
-(``int8_activations=True``), alternated, 4 distinct weights each.
+(``int8_activations=True``), alternated product by product, 4 distinct weights each.
 
     python examples/benchmarks/benchmark_cpu_ops.py
     python examples/benchmarks/benchmark_cpu_ops.py --section half --rounds 2
@@ -156,23 +156,30 @@ def half_products(rows: int, rounds: int) -> None:
 
 
 def int8_products(rows: int, rounds: int) -> None:
-    """The table of quantized decoding products: float activations against int8 ones."""
+    """The table of quantized decoding products, float activations against int8 ones: the two
+    alternated product by product (so both see the same load), ``10 * rounds`` timings each."""
     K = kernels()
     print(f"cpu kernels: {status()}, int8 products: {K.int8_isa()}; quantized products at SmolLM2-1.7B's shapes, "
-          f"group 64, {rows} position(s), milliseconds per product (best of 10 per round)\n")
-    print("| round | bits | in -> out | float | int8 | float / int8 |\n|---|---|---|---|---|---|")
-    for round_ in range(1, rounds + 1):
-        for bits in (4, 8):
-            for in_dims, out_dims in HALF_SHAPES:
-                layers = [mx.quantize(mx.random.normal((out_dims, in_dims)) * 0.02, group_size=64, bits=bits)
-                          for _ in range(4)]
-                x = mx.random.normal((rows, in_dims))
-                mx.eval(layers, x)
-                times = [best_ms(lambda: [K.quantized_matvec(x, *layer, group_size=64, bits=bits,
-                                                             int8_activations=int8) for layer in layers], 10) / 4
-                         for int8 in (False, True)]
-                print(f"| {round_} | {bits} | {in_dims} -> {out_dims} | {times[0]:.3f} | {times[1]:.3f} "
-                      f"| {times[0] / times[1]:.2f}x |", flush=True)
+          f"group 64, {rows} position(s), milliseconds per product over 4 distinct weights, fastest and median of "
+          f"{10 * rounds} alternated timings\n")
+    print("| bits | in -> out | float fastest | int8 fastest | float / int8 fastest | float median | int8 median "
+          "| float / int8 median |\n|---|---|---|---|---|---|---|---|")
+    for bits in (4, 8):
+        for in_dims, out_dims in HALF_SHAPES:
+            layers = [mx.quantize(mx.random.normal((out_dims, in_dims)) * 0.02, group_size=64, bits=bits)
+                      for _ in range(4)]
+            x = mx.random.normal((rows, in_dims))
+            mx.eval(layers, x)
+            timings = {False: [], True: []}
+            for _ in range(10 * rounds + 1):  # the first of each a warm-up
+                for int8, times in timings.items():
+                    start = time.perf_counter()
+                    mx.eval([K.quantized_matvec(x, *layer, group_size=64, bits=bits, int8_activations=int8)
+                             for layer in layers])
+                    times.append((time.perf_counter() - start) * 1e3 / len(layers))
+            (fast_f, fast_i), (mid_f, mid_i) = ([f(timings[o][1:]) for o in (False, True)] for f in (min, np.median))
+            print(f"| {bits} | {in_dims} -> {out_dims} | {fast_f:.3f} | {fast_i:.3f} | {fast_f / fast_i:.2f}x "
+                  f"| {mid_f:.3f} | {mid_i:.3f} | {mid_f / mid_i:.2f}x |", flush=True)
 
 
 def main() -> None:
