@@ -313,3 +313,17 @@ def test_a_decoding_step_takes_the_switch_compiled_or_not(stories_8bit):
         return
     assert not np.array_equal(off, on)
     assert off.argmax() == on.argmax() and np.abs(off - on).max() < 0.02 * (off.max() - off.min())
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "server"])
+def test_each_decoding_command_takes_the_flag_and_sets_the_switch(command):
+    from mlx_tfm.cli import _available_subcommands, build_parser
+    from mlx_tfm.cli.decoding_flags import set_process_switches
+    from mlx_tfm.cpu.switch import int8_activations
+
+    _, subparsers = build_parser(_available_subcommands())
+    with int8_activations_set(False):
+        set_process_switches(subparsers[command].parse_args([]))
+        assert not int8_activations()
+        set_process_switches(subparsers[command].parse_args(["--int8-activations"]))
+        assert int8_activations()
