@@ -8,10 +8,14 @@ weights: a prompt's ``--half-rows`` rows and one decoding row, through MLX's pla
 (``x @ W.T`` in the weight's dtype, what runs with the CPU routes off), through mlx_tfm's CPU
 route (``mlx_tfm.cpu.linear.half_product``) and as numpy's float32 product of the same values
 (the BLAS ceiling), the three alternated in each of ``--rounds`` rounds; a decoding row
-cycles through 4 distinct weights, so that it reads them from memory as a model does.
+cycles through 4 distinct weights, so that it reads them from memory as a model does. And
+(``--section int8``) the quantized decoding products at those shapes, 4- and 8-bit group 64,
+``--int8-rows`` positions: the kernel's float route against its int8 activations
+(``int8_activations=True``), alternated product by product, 4 distinct weights each.
 
     python examples/benchmarks/benchmark_cpu_ops.py
     python examples/benchmarks/benchmark_cpu_ops.py --section half --rounds 2
+    python examples/benchmarks/benchmark_cpu_ops.py --section int8 --rounds 3
 
 Each op runs ``--calls`` times on distinct inputs in one graph (an input plus a small
 offset, so no call reuses another's result and no value drifts into subnormals), minus
@@ -151,17 +155,49 @@ def half_products(rows: int, rounds: int) -> None:
                           f"| {ceiling:.2f} | {plain / ours:.1f}x | {ceiling / ours:.2f} |", flush=True)
 
 
+def int8_products(rows: int, rounds: int) -> None:
+    """The table of quantized decoding products, float activations against int8 ones: the two
+    alternated product by product (so both see the same load), ``10 * rounds`` timings each."""
+    K = kernels()
+    print(f"cpu kernels: {status()}, int8 products: {K.int8_isa()}; quantized products at SmolLM2-1.7B's shapes, "
+          f"group 64, {rows} position(s), milliseconds per product over 4 distinct weights, fastest and median of "
+          f"{10 * rounds} alternated timings\n")
+    print("| bits | in -> out | float fastest | int8 fastest | float / int8 fastest | float median | int8 median "
+          "| float / int8 median |\n|---|---|---|---|---|---|---|---|")
+    for bits in (4, 8):
+        for in_dims, out_dims in HALF_SHAPES:
+            layers = [mx.quantize(mx.random.normal((out_dims, in_dims)) * 0.02, group_size=64, bits=bits)
+                      for _ in range(4)]
+            x = mx.random.normal((rows, in_dims))
+            mx.eval(layers, x)
+            timings = {False: [], True: []}
+            for _ in range(10 * rounds + 1):  # the first of each a warm-up
+                for int8, times in timings.items():
+                    start = time.perf_counter()
+                    mx.eval([K.quantized_matvec(x, *layer, group_size=64, bits=bits, int8_activations=int8)
+                             for layer in layers])
+                    times.append((time.perf_counter() - start) * 1e3 / len(layers))
+            (fast_f, fast_i), (mid_f, mid_i) = ([f(timings[o][1:]) for o in (False, True)] for f in (min, np.median))
+            print(f"| {bits} | {in_dims} -> {out_dims} | {fast_f:.3f} | {fast_i:.3f} | {fast_f / fast_i:.2f}x "
+                  f"| {mid_f:.3f} | {mid_i:.3f} | {mid_f / mid_i:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--positions", type=int, default=170, help="cached positions the attention reads")
-    parser.add_argument("--section", choices=("all", "ops", "half"), default="all",
-                        help="the decoding step's small ops, the 16-bit products, or both")
+    parser.add_argument("--section", choices=("all", "ops", "half", "int8"), default="all",
+                        help="the decoding step's small ops, the 16-bit products, both, or (only when asked for) "
+                             "the quantized products with int8 activations")
     parser.add_argument("--half-rows", type=int, default=512, help="a prompt's rows through the 16-bit products")
-    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the 16-bit products")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the 16-bit (or int8) products")
+    parser.add_argument("--int8-rows", type=int, default=1, help="positions through the int8 section's products")
     args = parser.parse_args()
     if kernels() is None:
         raise SystemExit(f"error: mlx_tfm's CPU kernels are {status()}")
+    if args.section == "int8":
+        int8_products(args.int8_rows, args.rounds)
+        return
     if args.section != "ops":
         half_products(args.half_rows, args.rounds)
     if args.section == "half":

@@ -299,6 +299,7 @@ def run(args) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError("--max-kv-size must be at least 2")
     decoding_flags.check(args)
+    decoding_flags.set_process_switches(args)
     world = sharding_flags.join(args, refused={"--draft-model": args.draft_model,
                                                "--prompt-lookup-num-tokens": args.prompt_lookup_num_tokens})
     model_path = choose_model(args.model)

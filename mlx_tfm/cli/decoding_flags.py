@@ -1,5 +1,6 @@
 """The flags for faster and longer generation, shared by `generate` and `chat` (mlx_lm's
-names; transformers' for prompt lookup): speculative decoding and a quantized KV cache.
+names; transformers' for prompt lookup): speculative decoding and a quantized KV cache; and
+the server's too, int8 activations in the CPU kernels' quantized decoding products.
 
 Settings are checked before a model is loaded (a typo costs no loading time); what depends
 on the model (its head_dim, its tokenizer) right after.
@@ -25,6 +26,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                         help=f"with --kv-bits, quantize once the cache holds more than this many positions "
                              f"(default {DEFAULT_QUANTIZED_KV_START})")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="a 4- or 8-bit model decoding on the CPU: round each product's input to int8 (per 32 "
+                             "values, as llama.cpp's Q8_0) and multiply in integers; faster, results change "
+                             "slightly (also MLX_TFM_INT8_ACTIVATIONS=1)")
 
 
 def check(args) -> None:
@@ -35,6 +40,14 @@ def check(args) -> None:
     quantization = kv_quantization(args)
     if quantization is not None:
         quantization.check()  # the model's head_dim is checked once it is loaded
+
+
+def set_process_switches(args) -> None:
+    """What the flags switch for the whole process, before a model is loaded."""
+    from ..cpu.switch import use_int8_activations
+
+    if args.int8_activations:
+        use_int8_activations(True)
 
 
 def refuse_in_server(args) -> None:

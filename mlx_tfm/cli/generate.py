@@ -135,6 +135,7 @@ def checked_settings(args):
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     decoding_flags.check(args)
+    decoding_flags.set_process_switches(args)
     sampling = SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty,
                               repetition_context_size=args.repetition_context_size)

@@ -88,6 +88,7 @@ def settings_from(args):
     from .generate import choose_model
 
     decoding_flags.refuse_in_server(args)
+    decoding_flags.set_process_switches(args)
     settings = dict(
         adapter_path=args.adapter_path, host=args.host, port=args.port, api_key=read_api_key(args),
         allowed_origins=tuple(origin.strip() for origin in args.allowed_origins if origin.strip()),

@@ -6,6 +6,8 @@
   CPU path (float32 BLAS by blocks, rows split over CPU streams, ``W @ x``).
 - ``attention``: the fused attention op over blocks of queries; a decoding step's through
   mlx_tfm's kernel.
+- ``switch`` also holds ``int8_activations()``: the quantized decoding products with their
+  input rounded to int8 and integer dot products (off unless asked for).
 - ``pointwise``: RMSNorm, RoPE, SwiGLU's ``silu(gate) * up`` and the log-sum-exp over the
   vocabulary, one kernel call each.
 
@@ -21,7 +23,7 @@ from mlx.utils import tree_map_with_path
 
 from .kernels import kernels as loaded_kernels  # not `kernels`: that name is the subpackage
 from .linear import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
-from .switch import generic_routes, on_cpu, routes_enabled
+from .switch import generic_routes, int8_activations, on_cpu, routes_enabled
 
 
 def _specialized(path: str, module: nn.Module) -> nn.Module:
@@ -40,12 +42,13 @@ def _specialized(path: str, module: nn.Module) -> nn.Module:
 def specialize(model: nn.Module) -> nn.Module:
     """Swap the CPU-route layers in for the model's plain MLX linear and embedding layers
     (exact types only: LoRA wrappers and other subclasses keep theirs). Returns ``model``.
-    A bad ``MLX_TFM_KERNELS_ISA`` is a UserError here, as the model is loaded, rather than
-    at its first product."""
+    A bad ``MLX_TFM_KERNELS_ISA`` or ``MLX_TFM_INT8_ACTIVATIONS`` is a UserError here, as the
+    model is loaded, rather than at its first product."""
     loaded_kernels()
+    int8_activations()
     leaves = tree_map_with_path(_specialized, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
     return model
 
 
-__all__ = ["on_cpu", "generic_routes", "routes_enabled", "specialize"]
+__all__ = ["on_cpu", "generic_routes", "int8_activations", "routes_enabled", "specialize"]

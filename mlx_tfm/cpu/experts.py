@@ -29,6 +29,7 @@ import mlx.nn as nn
 from .kernels import kernels
 from .linear import DENSE_FROM_ROWS, float32_product, is_half
 from .linear import kernels_take as quantized_kernels_take
+from .switch import int8_activations
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -73,7 +74,8 @@ def product(x: mx.array, arrays: dict, layer: nn.Module) -> mx.array:
     plus the bias rows: mlx_tfm's kernels where they are in use, else in float32."""
     if is_quantized(layer):
         y = kernels().quantized_matvec(x, arrays["weight"], arrays["scales"], arrays["biases"],
-                                       group_size=layer.group_size, bits=layer.bits)
+                                       group_size=layer.group_size, bits=layer.bits,
+                                       int8_activations=int8_activations())
     elif kernels() is not None:
         y = kernels().matvec(x, arrays["weight"])
     else:

@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .kernels import kernels
-from .switch import on_cpu
+from .switch import int8_activations, on_cpu
 
 # float32 bytes of a block of rows made float32 at a time (float32_product)
 FLOAT32_BLOCK_BYTES = 1 << 18
@@ -123,7 +123,8 @@ def kernels_take(layer: nn.Module) -> bool:
 
 def quantized_rows_product(x: mx.array, layer: nn.Module) -> mx.array:
     """``x @ W.T`` for a quantized ``layer`` (weight, scales, biases): one call of mlx_tfm's
-    kernels where they take it, else MLX's kernel with its rows split over the CPU streams.
+    kernels where they take it (with int8 activations where ``int8_activations()`` is on),
+    else MLX's kernel with its rows split over the CPU streams.
     MLX's kernel is fast only with float32 scales and
     inputs (27 ms against 0.8 ms for one position through a 576 -> 1536 layer with float16
     scales), so half-precision scales and inputs become float32 just in time: for each
@@ -131,7 +132,7 @@ def quantized_rows_product(x: mx.array, layer: nn.Module) -> mx.array:
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if kernels_take(layer):
         return kernels().quantized_matvec(x, weight, scales, biases, group_size=layer.group_size,
-                                          bits=layer.bits).astype(x.dtype)
+                                          bits=layer.bits, int8_activations=int8_activations()).astype(x.dtype)
     x32 = x.astype(mx.float32)
 
     def product_of_rows(start: int, stop: int) -> mx.array:
@@ -248,7 +249,7 @@ def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = Fal
             return None
         arrays = [layer[name] for layer in layers for name in ("weight", "scales", "biases")]
         outputs = kernels().fused_products(x, arrays, group_size=first.group_size, bits=first.bits, gated=gated,
-                                           **layout)
+                                           int8_activations=int8_activations(), **layout)
         return [y.astype(x.dtype) for y in outputs]
     return None
 

@@ -4,6 +4,11 @@
 CPU layers and the attention dispatch ask it at every call, so flipping it sends a model
 through the plain MLX routes (what Metal and CUDA run) on the same weights. Set
 ``MLX_TFM_CPU_ROUTES=0`` to start with them off; tests use ``generic_routes()``.
+
+``int8_activations()``: whether the kernels' quantized decoding products round their input
+to int8 (per 32 values, as llama.cpp's Q8_0) and multiply in integers. Off by default: it
+changes results slightly (docs/cpu-kernels.md). ``MLX_TFM_INT8_ACTIVATIONS=1`` turns it on,
+as does ``--int8-activations`` (``use_int8_activations``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import contextvars
 import os
 
 import mlx.core as mx
+
+from ..errors import UserError
 
 ENV_VAR = "MLX_TFM_CPU_ROUTES"
 _enabled = os.environ.get(ENV_VAR, "1") != "0"
@@ -59,3 +66,37 @@ def prompt_layer_by_layer():
 
 def evaluates_each_sublayer() -> bool:
     return _prompt_layer_by_layer.get() and on_cpu()
+
+
+INT8_ENV_VAR = "MLX_TFM_INT8_ACTIVATIONS"
+_int8_activations: bool | None = None  # None: not read from the environment yet
+
+
+def int8_activations() -> bool:
+    """Whether the kernels' quantized decoding products take int8 activations; a value of
+    ``MLX_TFM_INT8_ACTIVATIONS`` other than 0 or 1 is a UserError."""
+    global _int8_activations
+    if _int8_activations is None:
+        value = os.environ.get(INT8_ENV_VAR, "0")
+        if value not in ("0", "1"):
+            raise UserError(f"{INT8_ENV_VAR}={value}: use 1 (int8 activations in quantized decoding) or 0 (off)")
+        _int8_activations = value == "1"
+    return _int8_activations
+
+
+def use_int8_activations(on: bool) -> None:
+    """Sets ``int8_activations()`` for the rest of the process (``--int8-activations``)."""
+    global _int8_activations
+    _int8_activations = on
+
+
+@contextlib.contextmanager
+def int8_activations_set(on: bool):
+    """Within the block ``int8_activations()`` is ``on`` (tests, benchmarks)."""
+    global _int8_activations
+    before = int8_activations()
+    _int8_activations = on
+    try:
+        yield
+    finally:
+        _int8_activations = before

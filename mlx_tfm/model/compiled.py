@@ -30,7 +30,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from ..cpu import on_cpu
+from ..cpu import int8_activations, on_cpu
 from .attention import Attention, attention
 from .layers import MLP
 from .transformer import Model, TransformerBlock
@@ -53,12 +53,12 @@ def block_takes(layer) -> bool:
 
 class CompiledDecoder:
     """``model(token (B, 1), cache=cache)`` for one position, each layer's cache-free pieces
-    compiled (traced on first use, once per state of the CPU switch)."""
+    compiled (traced on first use, once per state of the CPU switches)."""
 
     def __init__(self, model):
         # weakly: the registry below must not keep a model alive that its user dropped
         self._model = weakref.ref(model)
-        self._pieces: dict[bool, list] = {}
+        self._pieces: dict[tuple[bool, bool], list] = {}
 
     @staticmethod
     def takes(model) -> bool:
@@ -102,10 +102,10 @@ class CompiledDecoder:
         return model.head(h)
 
     def _pieces_now(self) -> list:
-        """The compiled pieces for the CPU switch's current state (the routes a trace took
-        are baked into it): the first layer's heads, one join per pair of neighbouring
-        layers, the last layer's finish."""
-        routes = on_cpu()
+        """The compiled pieces for the CPU switches' current state (the routes a trace took,
+        int8 activations or not, are baked into it): the first layer's heads, one join per
+        pair of neighbouring layers, the last layer's finish."""
+        routes = (on_cpu(), int8_activations())
         if routes not in self._pieces:
             self._pieces[routes] = compiled_pieces(self._model().layers)
         return self._pieces[routes]

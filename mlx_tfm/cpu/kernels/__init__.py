@@ -42,7 +42,7 @@ ENV_VAR = "MLX_TFM_KERNELS"
 ISA_VAR = "MLX_TFM_KERNELS_ISA"
 # The functions of the extension this module calls, by version (bindings.cpp's ``interface``;
 # builds from before it had none: version 1).
-INTERFACE = 5
+INTERFACE = 6
 
 
 def _loaded() -> tuple[ModuleType | None, str]:

@@ -10,6 +10,7 @@
 
 #include "isa.h"
 #include "deltanet_op.h"
+#include "int8dot.h"
 #include "kernels.h"
 #include "pool.h"
 #include "primitives.h"
@@ -27,9 +28,10 @@ NB_MODULE(_kernels, m) {
         "x (..., k) @ w.T for a float32/float16/bfloat16 w (n, k); dense: through float32 BLAS by blocks of "
         "w's rows made float32 (many positions).");
   m.def("quantized_matvec", &k::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "dense"_a = false, "stream"_a = nb::none(),
+        "group_size"_a, "bits"_a, "dense"_a = false, "int8_activations"_a = false, "stream"_a = nb::none(),
         "x (..., k) @ dequantize(w).T for MLX's affine 4/8-bit layout; dense: through float32 BLAS by blocks "
-        "of dequantized rows (many positions).");
+        "of dequantized rows (many positions); int8_activations: x rounded to int8 per 32 values and integer "
+        "dot products (as llama.cpp's Q8_0; not dense).");
   m.def("blas_found", &k::blas_found, "Whether the cblas_sgemm MLX multiplies with was found (dense products).");
   m.def("quantized_rows", &k::quantized_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "stream"_a = nb::none(),
@@ -47,16 +49,17 @@ NB_MODULE(_kernels, m) {
       [](const k::mx::array& x, const std::vector<k::mx::array>& weights, int group_size, int bits, bool gated,
          const std::vector<int>& heads, const std::optional<k::mx::array>& offset,
          const std::optional<k::mx::array>& freqs,
-         int rope_dims, bool traditional, float rope_scale, k::mx::StreamOrDevice s) {
+         int rope_dims, bool traditional, float rope_scale, bool int8_activations, k::mx::StreamOrDevice s) {
         return k::fused_products(x, weights, group_size, bits, gated, heads, offset, freqs,
-                                 k::RopeSettings{rope_dims, traditional, rope_scale}, s);
+                                 k::RopeSettings{rope_dims, traditional, rope_scale}, int8_activations, s);
       },
       "x"_a, "weights"_a, nb::kw_only(), "group_size"_a = 0, "bits"_a = 0, "gated"_a = false,
       "heads"_a = std::vector<int>{}, "offset"_a = nb::none(), "freqs"_a = nb::none(), "rope_dims"_a = 0,
-      "traditional"_a = false, "rope_scale"_a = 1.0f, "stream"_a = nb::none(),
+      "traditional"_a = false, "rope_scale"_a = 1.0f, "int8_activations"_a = false, "stream"_a = nb::none(),
       "[x @ w.T for each weight] in one call (weights, or (w, scales, biases) triples when bits is 4 or 8); "
       "gated: silu(x @ gate.T) * (x @ up.T); heads: outputs (B, heads, 1, D) for x (B, 1, k), the first two "
-      "rotated by RoPE (rope_dims, traditional, rope_scale, freqs periods) at positions offset when rope_dims > 0.");
+      "rotated by RoPE (rope_dims, traditional, rope_scale, freqs periods) at positions offset when rope_dims > 0; "
+      "int8_activations: as quantized_matvec's.");
   m.def("logsumexp", &k::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.logsumexp(x, axis=-1, keepdims=True) in one pass per row.");
   m.def("silu_mul", &k::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
@@ -72,10 +75,12 @@ NB_MODULE(_kernels, m) {
         "The instruction set in use (ValueError when MLX_TFM_KERNELS_ISA cannot be honoured).");
   m.def("isa_request_error", &k::isa_request_error,
         "Why MLX_TFM_KERNELS_ISA cannot be honoured (a set unknown, or one this CPU lacks), or ''.");
+  m.def("int8_isa", [] { return std::string(k::best_int8_kernels().name); },
+        "The instruction set of the int8-activation products (avx512vnni, avx2 or generic).");
   m.def("runnable_isas", &k::runnable_isas, "The instruction sets of this build this CPU runs, best first.");
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,
   // so a library built from older sources is not used until it is rebuilt.
-  m.attr("interface") = 5;
+  m.attr("interface") = 6;
   m.attr("built_with_mlx") = STRINGIFY(MLX_VERSION_MAJOR) "." STRINGIFY(MLX_VERSION_MINOR) "." STRINGIFY(MLX_VERSION_PATCH);
 }

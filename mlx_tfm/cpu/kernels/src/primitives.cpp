@@ -15,6 +15,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
 
+#include "int8dot.h"
 #include "kernels.h"
 #include "pool.h"
 #include "convert.h"
@@ -65,7 +66,7 @@ float real_at(const uint8_t* bytes, Real type, size_t i) {
 // Buffers a computation reuses from call to call on its thread (an MLX stream's): decoding
 // makes hundreds of calls a step, and fresh allocations of these sizes cost more than
 // the small products themselves.
-enum Scratch { X32, X_ARRANGED, X_SUMS, RESULT, SECOND, WEIGHT, SCRATCH_COUNT };
+enum Scratch { X32, X_ARRANGED, X_SUMS, RESULT, SECOND, WEIGHT, X_INT8, X_BLOCK_SCALES, X_INT8_SUMS, SCRATCH_COUNT };
 
 // Scratch starts on a cache line: a vector load from memory that does not (MLX's CPU
 // allocator hands out memory 8 bytes past malloc's) touches two lines, and the products
@@ -135,27 +136,49 @@ void over_rows(int64_t n, int64_t row_bytes, Rows rows) {
 
 // -- the computations ------------------------------------------------------------------
 
+// x rounded to int8 blocks for the int8 products (int8dot.h), in this thread's scratch.
+struct Int8Activations {
+  const int8_t* x_int8;
+  const float* lane_scales;
+  const float* int8_group_sums;
+};
+
+Int8Activations int8_activations_of(const float* x32, int64_t m, int64_t k, int group_size, int bits) {
+  // int8 values in a float buffer: a quarter of the floats, on a cache line like the rest
+  int8_t* x_int8 = reinterpret_cast<int8_t*>(scratch(X_INT8, (m * k + 3) / 4));
+  float* lane_scales = scratch(X_BLOCK_SCALES, 4 * m * k / ACT_BLOCK);
+  float* int8_sums = scratch(X_INT8_SUMS, m * k / group_size);
+  quantize_activations(x32, m, k, group_size, bits, x_int8, lane_scales, int8_sums);
+  return {x_int8, lane_scales, int8_sums};
+}
+
 // The products x @ w_i.T of in = {x, then each w (float) or each w, scales, biases (bits 4
 // or 8)}: count of them, float32 results into ys[i], all their rows in one pass of the pool.
+// int8_activations (quantized only): x rounded to int8 blocks and integer dot products.
 void products_of_one_input(const std::vector<mx::array>& in, size_t count, int group_size, int bits,
-                           float* const* ys) {
+                           float* const* ys, bool int8_activations = false) {
   const mx::array& x = in[0];
   const bool quantized = bits != 0;
+  const bool int8 = quantized && int8_activations;
   const int per_weight = quantized ? 3 : 1;
   const int64_t k = x.shape(-1), m = static_cast<int64_t>(x.size()) / k;
   const Kernels& kernels = best_kernels();
+  const Int8Kernels& int8_kernels = best_int8_kernels();
   const float* x32 = as_float32(x, X32, bits != 4);  // 4 bits read a permuted copy
   const float* x_read = x32;
   float* sums = nullptr;
+  Int8Activations rounded{};
   if (quantized) {
     const int64_t groups = k / group_size;
     sums = scratch(X_SUMS, m * groups);
-    for (int64_t i = 0; i < m * groups; ++i) {
+    for (int64_t i = 0; i < m * groups && !int8; ++i) {  // int8 products keep sums of their own
       float total = 0.0f;
       for (int j = 0; j < group_size; ++j) total += x32[i * group_size + j];
       sums[i] = total;
     }
-    if (bits == 4) {
+    if (int8) {
+      rounded = int8_activations_of(x32, m, k, group_size, bits);
+    } else if (bits == 4) {
       float* arranged = scratch(X_ARRANGED, m * k);
       arrange_for_nibbles(x32, arranged, m, k, kernels.lanes);
       x_read = arranged;
@@ -164,6 +187,7 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
   std::vector<std::vector<uint8_t>> copies(count * per_weight);
   std::vector<FloatProduct> floats;
   std::vector<QuantizedProduct> quants;
+  std::vector<Int8Product> int8s;
   std::vector<int64_t> first_row{0};  // where each weight's rows start among all of them
   for (size_t i = 0; i < count; ++i) {
     const mx::array& w = in[1 + per_weight * i];
@@ -173,6 +197,10 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
       quants.push_back({contiguous_bytes(w, copies[3 * i]), bits, group_size, n, k,
                         contiguous_bytes(scales, copies[3 * i + 1]), contiguous_bytes(biases, copies[3 * i + 2]),
                         real_of(scales.dtype()), x_read, sums, m, ys[i]});
+      const QuantizedProduct& q = quants.back();
+      if (int8)
+        int8s.push_back({q.w, bits, group_size, n, k, q.scales, q.biases, q.scale_type, rounded.x_int8,
+                         rounded.lane_scales, rounded.int8_group_sums, m, ys[i]});
     } else {
       floats.push_back({contiguous_bytes(w, copies[i]), real_of(w.dtype()), n, k, x32, m, ys[i]});
     }
@@ -183,16 +211,18 @@ void products_of_one_input(const std::vector<mx::array>& in, size_t count, int g
     for (size_t i = 0; i < count; ++i) {
       const int64_t lo = std::max(g0, first_row[i]) - first_row[i], hi = std::min(g1, first_row[i + 1]) - first_row[i];
       if (lo >= hi) continue;
-      if (quantized) kernels.quantized_rows(quants[i], lo, hi);
+      if (int8) int8_kernels.rows(int8s[i], lo, hi);
+      else if (quantized) kernels.quantized_rows(quants[i], lo, hi);
       else kernels.float_rows(floats[i], lo, hi);
     }
   });
 }
 
 // x @ w.T into out, in out's dtype: in = {x, w} or {x, w, scales, biases}.
-void product(const std::vector<mx::array>& in, int group_size, int bits, mx::array& out) {
+void product(const std::vector<mx::array>& in, int group_size, int bits, mx::array& out,
+             bool int8_activations = false) {
   float* y = result_buffer(out);
-  products_of_one_input(in, 1, group_size, bits, &y);
+  products_of_one_input(in, 1, group_size, bits, &y, int8_activations);
   store(y, out);
 }
 
@@ -594,14 +624,18 @@ mx::array matvec(const mx::array& x, const mx::array& w, bool dense, mx::StreamO
 bool blas_found() { return sgemm() != nullptr; }
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool dense, mx::StreamOrDevice s) {
+                           const mx::array& biases, int group_size, int bits, bool dense, bool int8_activations,
+                           mx::StreamOrDevice s) {
   check_float(x, "x");
   check_quantized(w, scales, biases, group_size, bits);
   if (x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("mlx_tfm kernels: x's last axis must match w's width");
   if (dense && !blas_found()) throw std::invalid_argument("mlx_tfm kernels: no cblas_sgemm for the dense route");
+  if (dense && int8_activations)
+    throw std::invalid_argument("mlx_tfm kernels: int8 activations are for the decoding products, not dense ones");
   return mx::array(with_last(x.shape(), w.shape(0)), mx::promote_types(x.dtype(), scales.dtype()),
-                   std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits, dense), {x, w, scales, biases});
+                   std::make_shared<QuantizedMatVec>(cpu_stream(s), group_size, bits, dense, int8_activations),
+                   {x, w, scales, biases});
 }
 
 mx::array quantized_rows(const mx::array& ids, const mx::array& w, const mx::array& scales,
@@ -682,7 +716,7 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& fre
 std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
                                       int bits, bool gated, const std::vector<int>& heads,
                                       const std::optional<mx::array>& offset, const std::optional<mx::array>& freqs,
-                                      RopeSettings rope, mx::StreamOrDevice s) {
+                                      RopeSettings rope, bool int8_activations, mx::StreamOrDevice s) {
   check_float(x, "x");
   const bool quantized = bits != 0;
   const size_t per_weight = quantized ? 3 : 1;
@@ -754,7 +788,8 @@ std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::
     inputs.push_back(*freqs);
   }
   if (gated) shapes.resize(1);
-  auto primitive = std::make_shared<FusedProducts>(stream, reference, group_size, bits, gated, rope);
+  auto primitive = std::make_shared<FusedProducts>(stream, reference, group_size, bits, gated, rope,
+                                                   quantized && int8_activations);
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), out_type), primitive, inputs);
 }
 
@@ -834,10 +869,10 @@ void MatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 
 void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int group_size = group_size_, bits = bits_;
-  const bool dense = dense_;
-  dispatch(stream(), inputs, out, [group_size, bits, dense](const std::vector<mx::array>& in, mx::array& o) {
+  const bool dense = dense_, int8 = int8_activations_;
+  dispatch(stream(), inputs, out, [group_size, bits, dense, int8](const std::vector<mx::array>& in, mx::array& o) {
     if (dense) dense_product(in, group_size, bits, o);
-    else product(in, group_size, bits, o);
+    else product(in, group_size, bits, o, int8);
   });
 }
 
@@ -928,10 +963,10 @@ void dispatch_outputs(mx::Stream stream, const std::vector<mx::array>& inputs, s
 
 void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const int group_size = group_size_, bits = bits_;
-  const bool gated = gated_;
+  const bool gated = gated_, int8 = int8_activations_;
   const RopeSettings rope = rope_;
-  dispatch_outputs(stream(), inputs, outputs, [group_size, bits, gated, rope](const std::vector<mx::array>& held,
-                                                                              std::vector<mx::array>& outs) {
+  dispatch_outputs(stream(), inputs, outputs, [group_size, bits, gated, rope, int8](const std::vector<mx::array>& held,
+                                                                                    std::vector<mx::array>& outs) {
     const size_t count = gated ? 2 : outs.size();
     std::vector<std::vector<float>> buffers(count);
     std::vector<float*> ys(count);
@@ -943,7 +978,7 @@ void FusedProducts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
         ys[i] = buffers[i].data();
       }
     }
-    products_of_one_input(held, count, group_size, bits, ys.data());
+    products_of_one_input(held, count, group_size, bits, ys.data(), int8);
     if (rope.dims) {  // queries and keys, (B, heads, 1, D) each
       const mx::array &offset = held[held.size() - 2], &freqs = held.back();
       for (size_t i = 0; i < 2; ++i)
@@ -965,7 +1000,8 @@ void FusedProducts::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 bool FusedProducts::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const FusedProducts&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && rope_.dims == o.rope_.dims &&
-         rope_.traditional == o.rope_.traditional && rope_.scale == o.rope_.scale;
+         rope_.traditional == o.rope_.traditional && rope_.scale == o.rope_.scale &&
+         int8_activations_ == o.int8_activations_;
 }
 
 void Pointwise::eval_gpu(const std::vector<mx::array>&, mx::array&) { cpu_only(); }
@@ -1062,7 +1098,8 @@ std::vector<mx::array> QuantizedRows::vjp(const std::vector<mx::array>& primals,
 
 bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatVec&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && dense_ == o.dense_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && dense_ == o.dense_ &&
+         int8_activations_ == o.int8_activations_;
 }
 
 bool QuantizedRows::is_equivalent(const mx::Primitive& other) const {

@@ -20,10 +20,11 @@ mx::array matvec(const mx::array& x, const mx::array& w, bool dense = false, mx:
 // x (..., k) @ dequantize(w, scales, biases).T for MLX's affine layout, 4 or 8 bits,
 // group_size 32, 64 or 128: (..., n). dense (many positions, a prompt): through float32
 // BLAS, w dequantized a cache-sized block of rows at a time into one buffer, which is all
-// the float32 weights that ever exist (needs blas_found()).
+// the float32 weights that ever exist (needs blas_found()). int8_activations (not dense):
+// x rounded to int8 blocks and integer dot products (int8dot.h), as llama.cpp's Q8_0.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool dense = false,
-                           mx::StreamOrDevice s = {});
+                           bool int8_activations = false, mx::StreamOrDevice s = {});
 
 // Whether the cblas_sgemm MLX multiplies with was found (for quantized_matvec's dense route).
 bool blas_found();
@@ -73,11 +74,12 @@ struct RopeSettings {
 // bits 4 or 8). gated: two weights (gate, up) and one output, silu(x @ gate.T) * (x @ up.T).
 // heads (one count per product; x (B, 1, k), one position): each output (B, heads, 1, n / heads),
 // the layout attention reads, and with rope.dims the first two rotated at positions offset.
+// int8_activations (quantized): as quantized_matvec's.
 std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::array>& weights, int group_size,
                                       int bits, bool gated, const std::vector<int>& heads = {},
                                       const std::optional<mx::array>& offset = std::nullopt,
                                       const std::optional<mx::array>& freqs = std::nullopt, RopeSettings rope = {},
-                                      mx::StreamOrDevice s = {});
+                                      bool int8_activations = false, mx::StreamOrDevice s = {});
 
 // Runs compute(inputs, outputs) on the stream's CPU encoder after MLX's other work there,
 // the outputs given fresh buffers: the body of a multi-output primitive's eval_cpu.
@@ -94,9 +96,10 @@ std::vector<mx::array> reference_vjp(const Reference& reference, const std::vect
 
 class FusedProducts : public mx::Primitive {
  public:
-  FusedProducts(mx::Stream stream, Reference reference, int group_size, int bits, bool gated, RopeSettings rope)
+  FusedProducts(mx::Stream stream, Reference reference, int group_size, int bits, bool gated, RopeSettings rope,
+                bool int8_activations)
       : mx::Primitive(stream), reference_(std::move(reference)), group_size_(group_size), bits_(bits), gated_(gated),
-        rope_(rope) {}
+        rope_(rope), int8_activations_(int8_activations) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -111,6 +114,7 @@ class FusedProducts : public mx::Primitive {
   int group_size_, bits_;
   bool gated_;
   RopeSettings rope_;
+  bool int8_activations_;
 };
 
 // The pointwise primitives: one output shaped like the first input, gradients through
@@ -211,8 +215,9 @@ class MatVec : public mx::UnaryPrimitive {
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatVec(mx::Stream stream, int group_size, int bits, bool dense)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), dense_(dense) {}
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits, bool dense, bool int8_activations)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), dense_(dense),
+        int8_activations_(int8_activations) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -222,7 +227,7 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
-  bool dense_;
+  bool dense_, int8_activations_;
 };
 
 class QuantizedRows : public mx::UnaryPrimitive {
