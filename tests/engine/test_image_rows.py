@@ -7,6 +7,7 @@ cache keys image tokens by the images' content."""
 import pytest
 from fixtures.vision_images import two_images
 from fixtures.vision_serving import llava_folder
+from fixtures.engine_runs import run
 
 from mlx_tfm import load
 from mlx_tfm.engine.images import read_images
@@ -41,24 +42,6 @@ def tower_calls(monkeypatch):
 def image_request(processor, text: str, images: list, max_tokens: int = 6) -> Request:
     inputs = read_images(processor, images)
     return Request(processor.encode(inputs.expand(processor, text)), max_tokens, GREEDY, images=inputs)
-
-
-def run(engine: Engine, requests: list[Request]) -> list:
-    """The tokens and the final event of each request, the engine driven here."""
-    tokens, finals = [[] for _ in requests], [None] * len(requests)
-
-    def collect(i, event):
-        if event.token is not None:
-            tokens[i].append(event.token)
-        if event.finish_reason is not None:
-            finals[i] = event
-
-    for i, request in enumerate(requests):
-        engine.submit(request, lambda event, i=i: collect(i, event))
-    while engine.step():
-        pass
-    assert all(f is not None and f.finish_reason in ("length", "stop") for f in finals), finals
-    return list(zip(tokens, finals))
 
 
 def reference_tokens(model, processor, images, max_tokens=6) -> list[int]:

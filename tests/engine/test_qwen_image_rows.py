@@ -9,6 +9,7 @@ question again, or a follow-up after the answer) continues from the right positi
 import mlx.core as mx
 import pytest
 from fixtures.qwen_vision_models import IMAGE, QWEN3_5_STYLES, qwen_vl_folder, two_images
+from fixtures.engine_runs import run
 
 from mlx_tfm import load
 from mlx_tfm.engine.images import read_images
@@ -38,24 +39,6 @@ def image_request(processor, image, text: str = PROMPT, max_tokens: int = 6) -> 
 def reference_tokens(model, processor, image, max_tokens: int = 6) -> list[int]:
     return [r.token for r in stream_generate(model, processor, PROMPT, images=[image], max_tokens=max_tokens,
                                              sampler=make_sampler(temp=0.0))]
-
-
-def run(engine: Engine, requests: list[Request]) -> list:
-    """The tokens and the final event of each request, the engine driven here."""
-    tokens, finals = [[] for _ in requests], [None] * len(requests)
-
-    def collect(i, event):
-        if event.token is not None:
-            tokens[i].append(event.token)
-        if event.finish_reason is not None:
-            finals[i] = event
-
-    for i, request in enumerate(requests):
-        engine.submit(request, lambda event, i=i: collect(i, event))
-    while engine.step():
-        pass
-    assert all(f is not None and f.finish_reason in ("length", "stop") for f in finals), finals
-    return list(zip(tokens, finals))
 
 
 def test_an_image_row_alone_in_chunks_and_in_a_batch(qwen):
