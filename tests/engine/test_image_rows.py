@@ -5,9 +5,9 @@ generation/images.py), alone, in chunks, and in a batch with text rows; the shar
 cache keys image tokens by the images' content."""
 
 import pytest
+from fixtures.engine_runs import run
 from fixtures.vision_images import two_images
 from fixtures.vision_serving import llava_folder
-from fixtures.engine_runs import run
 
 from mlx_tfm import load
 from mlx_tfm.engine.images import read_images

@@ -8,8 +8,8 @@ question again, or a follow-up after the answer) continues from the right positi
 
 import mlx.core as mx
 import pytest
-from fixtures.qwen_vision_models import IMAGE, QWEN3_5_STYLES, qwen_vl_folder, two_images
 from fixtures.engine_runs import run
+from fixtures.qwen_vision_models import IMAGE, QWEN3_5_STYLES, qwen_vl_folder, two_images
 
 from mlx_tfm import load
 from mlx_tfm.engine.images import read_images
