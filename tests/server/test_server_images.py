@@ -271,3 +271,23 @@ def test_lfm2_vl_image_url_parts_answer_as_generate_does(tmp_path):
         body = chat(spec_checking_http_client(), process, messages, temperature=0).json()
         assert body["choices"][0]["message"]["content"] == expected and expected.strip()
         assert body["usage"]["prompt_tokens"] == len(processor.prepare(text, images)[0])
+
+
+def test_llava_next_image_url_parts_answer_as_generate_does(tmp_path):
+    """LLaVA-NeXT (its views packed by each image's size, image_sizes beside the pixels):
+    the two test images as image_url parts give, at temperature 0, the text ``generate``
+    gives alone for the same rendered prompt."""
+    from fixtures.vision_images import two_images
+
+    from mlx_tfm.generation.stream import generate
+
+    folder = llava_folder(tmp_path / "llava_next", "llava_next")
+    messages = [image_message(0, 1)]
+    model, processor = load(folder)
+    text = processor.apply_chat_template([{"role": "user", "content": processor.placeholder * 2 + QUESTION}],
+                                         add_generation_prompt=True, tokenize=False)
+    expected = generate(model, processor, text, images=two_images(), max_tokens=6, sampler=make_sampler(temp=0.0))
+    for process in served("--model", str(folder), "--max-tokens", "6", "--log-level", "warning"):
+        body = chat(spec_checking_http_client(), process, messages, temperature=0).json()
+        assert body["choices"][0]["message"]["content"] == expected and expected.strip()
+        assert body["usage"]["prompt_tokens"] == len(processor.prepare(text, two_images())[0])
