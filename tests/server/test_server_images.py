@@ -161,8 +161,8 @@ def test_bad_images_are_one_line_400s(http, server, url, words):
 def test_an_input_audio_part_is_a_400_naming_it(http, server):
     """No model here reads audio (Gemma 4's audio tower is not loaded): OpenAI's input_audio
     part is refused by name, not as a text part of the wrong type."""
-    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                             {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, audio]}]
     one_line_400(chat(http, server, messages), "content part 1 is input_audio: audio input is not supported",
                  param="messages.0")
 
