@@ -62,3 +62,36 @@ def test_a_processor_without_pinpoints_is_one_line():
     with pytest.raises(UserError, match="without image_grid_pinpoints") as error:
         read_image_processing(config)
     assert "\n" not in str(error.value)
+
+
+# the hub's LLaVA-NeXT sizes: 336-pixel views of 14-pixel patches, transformers' default resolutions
+HUB_SIZES = [(h, w) for h in (1, 17, 200, 336, 480, 673, 1000, 2048) for w in (3, 101, 336, 640, 999, 1500)]
+
+
+def test_token_counts_and_unpadding_match_transformers_at_the_hubs_sizes():
+    """For images of many shapes: the prompt's tokens equal LlavaNextProcessor's count, and
+    the unpadded grid is the part transformers' unpad_image keeps of the packed features."""
+    import torch
+    import transformers
+    from fixtures.vision_processors import word_tokenizer
+    from transformers.models.llava_next.modeling_llava_next import unpad_image
+
+    from mlx_tfm.families.vision import LLAVA_NEXT_PINPOINTS
+    from mlx_tfm.model.anyres import anyres_grid, unpadded_grid
+    from mlx_tfm.tokenizer.image_tokens import image_token_count
+
+    reference = transformers.LlavaNextProcessor(
+        image_processor=transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 336},
+                                                                crop_size={"height": 336, "width": 336}),
+        tokenizer=word_tokenizer(), patch_size=14, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1)
+    config = {"vision_config": {"image_size": 336, "patch_size": 14}, "vision_feature_select_strategy": "default"}
+    prompt = read_image_prompt("llava_next", {"patch_size": 14, "num_additional_image_tokens": 1}, config)
+    for height, width in HUB_SIZES:
+        rows, cols = anyres_grid(height, width, LLAVA_NEXT_PINPOINTS, 336)
+        top, kept_rows, left, kept_cols = unpadded_grid(height, width, rows * 24, cols * 24)
+        expected = reference._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
+        assert image_token_count(prompt, kept_rows, kept_cols) == expected, (height, width)
+        grid = torch.arange(rows * 24 * cols * 24).reshape(1, rows * 24, cols * 24)  # (1, feature rows, columns)
+        kept = unpad_image(grid, (height, width))[0]
+        assert torch.equal(grid[0, top:top + kept_rows, left:left + kept_cols], kept), (height, width)
