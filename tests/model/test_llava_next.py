@@ -104,3 +104,31 @@ def test_the_full_feature_strategy_is_one_line(models):
     with pytest.raises(UserError, match="'full' keeps CLIP's class token") as error:
         model_args_from_config(config)
     assert "\n" not in str(error.value)
+
+
+def test_packed_features_at_the_hubs_geometry_match_transformers(tmp_path):
+    """The hub's geometry (336-pixel views of 14-pixel patches, transformers' default
+    resolutions) with a narrow random tower: a photo-shaped image (2 x 2 views, unpadded
+    rows) and a tall one (3 x 1) give transformers' packed features."""
+    import torch
+    import transformers
+    from fixtures.vision_images import drawn_image
+    from fixtures.vision_models import VISION_CONFIGS
+
+    from mlx_tfm.families.vision import LLAVA_NEXT_PINPOINTS
+
+    vision = dict(VISION_CONFIGS["llava"]["vision_config"], image_size=336, patch_size=14)
+    hf = make_vision_model("llava_next", tmp_path, vision_config=vision, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    model, _ = load_model(tmp_path)
+    reference = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 336},
+                                                        crop_size={"height": 336, "width": 336})
+    processing = dataclasses.replace(read_image_processing(reference.to_dict()), patch_size=14)
+    images = preprocess_llava_next_images([drawn_image(800, 600, seed=7), drawn_image(300, 1000, seed=8)], processing)
+    assert images["views"] == [5, 4]
+    features = model.encode_images(mx.array(images["pixel_values"]), image_sizes=images["image_sizes"])
+    inputs = hf_inputs([0], images)
+    with torch.no_grad():
+        expected = torch.cat(list(hf.model.get_image_features(inputs["pixel_values"], inputs["image_sizes"])
+                                  .pooler_output)).numpy()
+    assert features.shape == expected.shape
+    np.testing.assert_allclose(np.array(features), expected, atol=1e-4, rtol=0)
