@@ -127,7 +127,7 @@ MLX_LM_CONFIG_KEYS: dict[str, Callable[[dict], dict]] = {
     "hunyuan_v1_dense": lambda config: {"rope_scaling": hunyuan_rope_scaling(config)},
     "minimax_m2": minimax_m2_mlx_lm_keys,
     **QWEN_VL_MLX_LM_KEYS,  # qwen_vl.py
-    **MLX_VLM_CONFIG_KEYS,  # mlx_vlm.py: what mlx-vlm reads of idefics3 / smolvlm
+    **MLX_VLM_CONFIG_KEYS,  # mlx_vlm.py: what mlx-vlm reads of idefics3 / smolvlm / llava_next
     "kimi_linear": kimi_mlx_lm_keys,
     "exaone_moe": lambda config: {  # required fields of mlx-lm's exaone_moe
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],

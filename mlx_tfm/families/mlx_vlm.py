@@ -32,8 +32,8 @@ def channels_first_patches(weights: dict, args: ModelArgs) -> dict:
 
 
 def idefics3_mlx_vlm_keys(config: dict) -> dict:
-    """mlx-vlm's idefics3 and smolvlm read the language model's ``rope_theta`` (their
-    default 1e6), not transformers 5's ``rope_parameters``: restated in ``text_config``."""
+    """mlx-vlm's idefics3, smolvlm and llava_next read the language model's ``rope_theta``
+    (their default 1e6), not transformers 5's ``rope_parameters``: restated in ``text_config``."""
     text = config.get("text_config") or {}
     theta = (text.get("rope_parameters") or {}).get("rope_theta", text.get("rope_theta"))
     return {} if theta is None else {"text_config": {**text, "rope_theta": theta}}
@@ -48,4 +48,5 @@ def gemma3_mlx_vlm_keys(config: dict) -> dict:
 
 # Config keys mlx-vlm reads that transformers 5 writes differently, by model_type (the
 # converter writes them beside mlx-lm's: families/mlx_lm.py; gemma3's there joins them).
-MLX_VLM_CONFIG_KEYS = {"idefics3": idefics3_mlx_vlm_keys, "smolvlm": idefics3_mlx_vlm_keys}
+MLX_VLM_CONFIG_KEYS = {"idefics3": idefics3_mlx_vlm_keys, "smolvlm": idefics3_mlx_vlm_keys,
+                       "llava_next": idefics3_mlx_vlm_keys}

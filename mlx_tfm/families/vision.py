@@ -1,4 +1,4 @@
-"""Vision-language families (LLaVA 1.5, Idefics3, SmolVLM, Gemma 3): config.json -> the
+"""Vision-language families (LLaVA 1.5, LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3): config.json -> the
 language model's ``ModelArgs`` fields plus ``vision``, the ``VisionArgs`` fields
 (model/vision_args.py: the tower's own ``ModelArgs`` fields, kind "encoder" fed patch
 embeddings, its patch embedding and the projector); and the renames from their
@@ -84,6 +84,24 @@ def llava_args(config: dict) -> dict:
     }}
 
 
+# transformers' LlavaNextConfig default: the (height, width) resolutions an image is fitted into
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def llava_next_args(config: dict) -> dict:
+    """LLaVA-NeXT: LLaVA 1.5's tower and projector over every view of an "anyres" image,
+    the views packed back into the image's grid (model/anyres.py). The packing cuts the
+    features into a square grid per view, so the class token must go (strategy "default":
+    transformers fails on "full" with CLIP's class token too)."""
+    args = llava_args(config)
+    if args["vision"]["vision_feature_select"] != "default":
+        raise UserError("LLaVA-NeXT with vision_feature_select_strategy 'full' keeps CLIP's class token, which "
+                        "its packed image grid has no place for: only 'default' is supported")
+    pinpoints = config.get("image_grid_pinpoints") or LLAVA_NEXT_PINPOINTS
+    args["vision"]["image_grid_pinpoints"] = [list(p) for p in pinpoints]
+    return args
+
+
 def idefics3_args(config: dict) -> dict:
     """Idefics3 and SmolVLM: a SigLIP-like tower over each tile, pixel shuffle, one linear map."""
     return {**text_args(config, "llama"), "model_type": config["model_type"], "vision": {
@@ -120,6 +138,7 @@ VISION_RENAMES = MLX_VLM_RENAMES + (
     (LAYER + r"layer_norm2\.(.*)", ours + r"layers.\1.post_attention_layernorm.\2"),
     (LAYER + r"mlp\.fc1\.(.*)", ours + r"layers.\1.mlp.up_proj.\2"),
     (LAYER + r"mlp\.fc2\.(.*)", ours + r"layers.\1.mlp.down_proj.\2"),
+    (r"(?:model\.)?image_newline", "image_newline"),  # LLaVA-NeXT's row end
     (r"(?:model\.)?(?:multi_modal_projector|connector)\.(.*)", r"multi_modal_projector.\1"),
     (r"(?:language_model\.)?lm_head\.(.*)", r"language_model.lm_head.\1"),
     (r"(?:language_model\.model|model\.language_model|model\.text_model)\.(.*)", r"language_model.model.\1"),
@@ -159,7 +178,7 @@ def saved_layout(weights: dict) -> dict:
             name = "language_model.model." + name.removeprefix("model.language_model.")
         elif name.startswith("lm_head."):
             name = "language_model." + name
-        elif name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        elif name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) or name == "model.image_newline":
             name = name.removeprefix("model.")
         out[name] = tensor
     return out
@@ -172,6 +191,7 @@ def vision_architecture(args, layout=None) -> Architecture:
 
 VISION_LANGUAGE: dict[str, Architecture] = {
     "llava": vision_architecture(llava_args, saved_layout),  # LLaVA 1.5
+    "llava_next": vision_architecture(llava_next_args, saved_layout),  # LLaVA-NeXT (1.6): anyres views
     "idefics3": vision_architecture(idefics3_args),
     "smolvlm": vision_architecture(idefics3_args),
     "gemma3": vision_architecture(gemma3_vision_args, saved_layout),  # the image-text model; gemma3_text is text only

@@ -5,7 +5,7 @@ The tower itself is the one encoder: ``tower`` holds its ``ModelArgs`` fields (k
 "encoder", no token embeddings, learned positions, CLIP's pre-norm as ``embedding_norm``,
 the post-norm as ``final_norm``). The rest says how pixels become its input (the patch
 embedding) and how its outputs reach the language model (the projector, the image token,
-Gemma 3's attention among an image's tokens).
+Gemma 3's attention among an image's tokens, LLaVA-NeXT's packing of an image's views).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class VisionArgs:
     vision_feature_select: str = "full"  # "mlp": "default" drops the class token, "full" keeps it
     projector_scale: int = 2  # "pixel_shuffle": each s x s patches become one token
     tokens_per_image: int = 0  # "average_pool": tokens after pooling (a square number)
+    # LLaVA-NeXT (model/anyres.py): each image's views packed into one grid, rows ended by image_newline
+    image_grid_pinpoints: tuple | None = None  # the (height, width) resolutions an image is fitted into
     # the language model's side
     image_token_id: int = -1  # the token whose embeddings the image features replace
     image_attention: str = "causal"  # "bidirectional" (Gemma 3): one image's tokens see each other

@@ -2,7 +2,8 @@
 
 ``encode_images(pixel_values, **image_inputs)`` runs the tower over every view (an image,
 or Idefics3's tiles and global view) and the projector, and returns one row per image token
-(n_image_tokens, D). A tower is any module ``tower(pixel_values, **image_inputs)`` ->
+(n_image_tokens, D); LLaVA-NeXT's views of one image are packed back into its grid
+(model/anyres.py). A tower is any module ``tower(pixel_values, **image_inputs)`` ->
 (n_views, positions, D_vision) and a projector any ``projector(states)`` -> (n_views, tokens,
 D), so towers with extra inputs (Qwen's grid_thw) fit the same call.
 
@@ -31,6 +32,7 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
+from .anyres import pack_anyres_features
 from .cache import window_mask
 from .config import ModelArgs
 from .mixers import ATTENTION_TYPES
@@ -97,13 +99,22 @@ class VisionLanguageModel(nn.Module):
         tower = self.vision_args.tower_args()
         self.vision_tower = VisionTower(tower, self.vision_args)
         self.multi_modal_projector = make_projector(self.vision_args, tower, args)
+        if self.vision_args.image_grid_pinpoints:  # LLaVA-NeXT: ends each packed row of an image's features
+            self.image_newline = mx.zeros((args.hidden_size,))
 
     def encode_images(self, pixel_values: mx.array, **image_inputs) -> mx.array:
         """Pixel values (n_views, C, H, W) -> image features (n_image_tokens, D), in the
         order the prompt's image tokens take them. Qwen's tower: pixel values (patches,
-        C * T * P * P) with ``grid_thw`` (n_images, 3), as its processor prepares them."""
+        C * T * P * P) with ``grid_thw`` (n_images, 3), as its processor prepares them.
+        LLaVA-NeXT: with ``image_sizes`` (n_views, 2), each view's image's original
+        (height, width), by which its views are packed into one grid (model/anyres.py)."""
+        if self.vision_args.image_grid_pinpoints:
+            image_sizes = image_inputs.pop("image_sizes")
         states = self.vision_tower(pixel_values, **image_inputs)
         features = self.multi_modal_projector(states)  # (n_views, tokens, D)
+        if self.vision_args.image_grid_pinpoints:
+            return pack_anyres_features(features, image_sizes, self.vision_args.image_grid_pinpoints,
+                                        self.vision_args.image_size, self.image_newline)
         return features.reshape(-1, features.shape[-1])
 
     def __call__(self, inputs: mx.array, mask=None, cache: list | None = None,

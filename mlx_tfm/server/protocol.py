@@ -60,7 +60,15 @@ class ImagePart(Lenient):
     image_url: ImageURL
 
 
-ContentPart = TextPart | ImagePart
+class AudioPart(Lenient):
+    """OpenAI's audio input: accepted by the schema so that it is refused by name (no model
+    here reads audio; Gemma 4's audio tower is not loaded), not as a wrong text part."""
+
+    type: Literal["input_audio"]
+    input_audio: dict | None = None
+
+
+ContentPart = TextPart | ImagePart | AudioPart
 
 
 class FunctionCall(Lenient):
@@ -86,6 +94,10 @@ class Message(Lenient):
     def _has_content(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        audio = [i for i, part in enumerate(self.content or ()) if isinstance(part, AudioPart)]
+        if isinstance(self.content, list) and audio:
+            raise ValueError(f"content part {audio[0]} is input_audio: audio input is not supported by this server "
+                             "(no model here reads audio; Gemma 4's audio tower is not loaded)")
         return self
 
     def text(self) -> str:
@@ -334,4 +346,5 @@ def _specificity(error: dict) -> tuple[int, int]:
 def _is_union_branch(part) -> bool:
     """pydantic names the union member it tried ("str", "list[TextPart]", "function-after[...]")."""
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict",
-                                                               "NamedToolChoice", "TextPart", "ImagePart"})
+                                                               "NamedToolChoice", "TextPart", "ImagePart",
+                                                               "AudioPart"})

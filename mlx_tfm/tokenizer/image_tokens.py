@@ -3,6 +3,8 @@ is expanded into the tokens the model's image features will replace, as transfor
 processors do:
 
 - LLaVA: ``<image>`` -> ``<image>`` once per patch the projector keeps;
+- LLaVA-NeXT: ``<image>`` -> as LLaVA's for the whole-image view, then one per feature of the
+  unpadded grid and one per row for its newline (``rows x cols``: llava_next_images.py);
 - Idefics3 / SmolVLM: ``<image>`` -> for each tile ``<fake_token_around_image><row_r_col_c>``
   plus ``image_seq_len`` ``<image>`` tokens, a newline after each row of tiles, then
   ``\\n<fake_token_around_image><global-img>``, the global view's tokens and a closing
@@ -26,14 +28,14 @@ from ..errors import UserError
 from .lfm2_vl_images import lfm2_vl_image_text
 from .pixtral_images import pixtral_image_text
 
-KINDS = ("llava", "idefics3", "gemma3", "pixtral", "gemma4", "lfm2_vl")
+KINDS = ("llava", "llava_next", "idefics3", "gemma3", "pixtral", "gemma4", "lfm2_vl")
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
     """How one family writes an image into its prompt (``read_image_prompt`` builds it)."""
 
-    kind: str  # "llava" | "idefics3" | "gemma3" | "pixtral" | "gemma4" | "lfm2_vl"
+    kind: str  # "llava" | "llava_next" | "idefics3" | "gemma3" | "pixtral" | "gemma4" | "lfm2_vl"
     placeholder: str  # what the prompt holds once per image
     image_token: str  # the token whose embeddings the image features replace
     tokens_per_view: int  # image tokens per view (a tile or the whole image)
@@ -51,14 +53,14 @@ def llava_tokens(crop: tuple[int, int], patch_size: int, extra_tokens: int, stra
 def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
     """The family's ``ImagePrompt`` from ``processor_config.json`` (``processor``) and the
     model's ``config.json`` (``config``), with transformers' defaults for what they omit."""
-    if kind == "llava":
+    if kind in ("llava", "llava_next"):
         vision = config.get("vision_config") or {}
         size = vision.get("image_size", 336)
         count = llava_tokens((size, size), processor.get("patch_size") or vision.get("patch_size", 14),
                              processor.get("num_additional_image_tokens", 0),
                              processor.get("vision_feature_select_strategy") or config.get(
                                  "vision_feature_select_strategy", "default"))
-        return ImagePrompt("llava", "<image>", "<image>", count)
+        return ImagePrompt(kind, "<image>", "<image>", count)
     if kind == "idefics3":
         return ImagePrompt("idefics3", "<image>", "<image>", processor.get("image_seq_len", 169))
     if kind == "gemma3":
@@ -79,7 +81,8 @@ def read_image_prompt(kind: str, processor: dict, config: dict) -> ImagePrompt:
 
 def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0, whole_tokens: int = 0) -> str:
     """The text one image's placeholder becomes (``rows x cols``: Idefics3's or LFM2-VL's
-    tile grid; ``whole_tokens``: LFM2-VL's tokens of the whole-image view)."""
+    tile grid, LLaVA-NeXT's unpadded feature grid; ``whole_tokens``: LFM2-VL's tokens of
+    the whole-image view)."""
     if prompt.kind == "lfm2_vl":
         return lfm2_vl_image_text(prompt.image_token, prompt.tokens_per_view, rows, cols, whole_tokens, prompt.begin,
                                   prompt.end)
@@ -87,6 +90,8 @@ def image_text(prompt: ImagePrompt, rows: int = 0, cols: int = 0, whole_tokens: 
         return pixtral_image_text(prompt.image_token, rows, cols)
     if prompt.kind == "gemma4":
         return prompt.begin + prompt.image_token * (rows * cols) + prompt.end
+    if prompt.kind == "llava_next":  # each row of the grid ends with the image_newline feature
+        return prompt.image_token * (prompt.tokens_per_view + rows * (cols + 1))
     tokens = prompt.image_token * prompt.tokens_per_view
     if prompt.kind == "llava":
         return tokens

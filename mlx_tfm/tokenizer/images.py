@@ -48,12 +48,14 @@ class ImageProcessing:
     from ``preprocessor_config.json``). Sizes are (height, width); ``size`` is the shortest
     edge for "clip", the fixed size for "siglip", the longest edge for "idefics3"."""
 
-    kind: str  # "clip" | "siglip" | "idefics3"
+    kind: str  # "clip" | "siglip" | "idefics3" | "llava_next" (llava_next_images.py)
     size: tuple[int, int]
     resample: int  # PIL's filter number: 1 Lanczos, 2 bilinear, 3 bicubic
     crop_size: tuple[int, int] | None = None  # "clip": the centre crop
     tile: int = 0  # "idefics3": the encoder's input edge (max_image_size)
     split: bool = True  # "idefics3": cut into tiles (do_image_splitting)
+    grid_pinpoints: tuple = ()  # "llava_next": the (height, width) resolutions an image is fitted into
+    patch_size: int = 0  # "llava_next": the tower's patch edge, from the model's config (vision_processor.py)
     rescale_factor: float = 1 / 255
     mean: tuple[float, ...] = HALF
     std: tuple[float, ...] = HALF
@@ -65,6 +67,7 @@ class ImageProcessing:
 # image_processor_type -> (kind, default resample, mean, std)
 PROCESSOR_TYPES = {
     "CLIPImageProcessor": ("clip", Image.BICUBIC, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
+    "LlavaNextImageProcessor": ("llava_next", Image.BICUBIC, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
     "SiglipImageProcessor": ("siglip", Image.BICUBIC, HALF, HALF),
     "Gemma3ImageProcessor": ("siglip", Image.BILINEAR, HALF, HALF),
     "Idefics3ImageProcessor": ("idefics3", Image.LANCZOS, HALF, HALF),
@@ -82,10 +85,12 @@ def read_image_processing(config: dict) -> ImageProcessing:
         raise UserError("Gemma 3's pan-and-scan crops are not supported: set do_pan_and_scan to false")
     kind, resample, mean, std = PROCESSOR_TYPES[name]
     size, fields = config.get("size") or {}, {}
-    if kind == "clip":
+    if kind in ("clip", "llava_next"):
         crop = config.get("crop_size") or {}
         fields["size"] = (size["shortest_edge"],) * 2
         fields["crop_size"] = (crop["height"], crop["width"]) if config.get("do_center_crop", True) else None
+        if kind == "llava_next":
+            fields.update(anyres_fields(config))
     elif kind == "siglip":
         fields["size"] = (size["height"], size["width"])
     else:
@@ -99,6 +104,16 @@ def read_image_processing(config: dict) -> ImageProcessing:
         do_resize=bool(config.get("do_resize", True)), do_rescale=bool(config.get("do_rescale", True)),
         do_normalize=bool(config.get("do_normalize", True)),
     )
+
+
+def anyres_fields(config: dict) -> dict:
+    """LLaVA-NeXT's views: their edge (the crop's height, else the size, as transformers
+    picks it) and the resolutions an image is fitted into."""
+    pinpoints = tuple(tuple(p) for p in config.get("image_grid_pinpoints") or ())
+    if not pinpoints:
+        raise UserError("a LLaVA-NeXT image processor without image_grid_pinpoints cannot cut its images")
+    edge = (config.get("crop_size") or {}).get("height") or config["size"]["shortest_edge"]
+    return {"tile": edge, "grid_pinpoints": pinpoints}
 
 
 # -- loading ------------------------------------------------------------------------
@@ -233,14 +248,23 @@ def image_frames(image: Image.Image, processing: ImageProcessing) -> tuple[list[
     """The views the encoder sees of one image, and Idefics3's rows and cols (else 0, 0)."""
     if processing.kind == "idefics3":
         return idefics3_frames(image, processing)
-    if processing.do_resize and processing.kind == "clip":
-        image = resized(image, *shortest_edge_size(image.height, image.width, processing.size[0]),
-                        processing.resample)
-    elif processing.do_resize:
+    if processing.kind == "clip":
+        return [clip_view(image, processing)], 0, 0
+    if processing.do_resize:
         image = resized(image, *processing.size, processing.resample)
     if processing.crop_size is not None:
         image = center_cropped(image, *processing.crop_size)
     return [image], 0, 0
+
+
+def clip_view(image: Image.Image, processing: ImageProcessing) -> Image.Image:
+    """CLIP's view: the shortest edge resized to ``size``, then the centre crop."""
+    if processing.do_resize:
+        image = resized(image, *shortest_edge_size(image.height, image.width, processing.size[0]),
+                        processing.resample)
+    if processing.crop_size is not None:
+        image = center_cropped(image, *processing.crop_size)
+    return image
 
 
 def preprocess_images(images: list, processing: ImageProcessing) -> dict:

@@ -9,6 +9,7 @@ image takes, where the family keeps that there) and config.json.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +20,18 @@ from . import Tokenizer
 from .gemma4_images import preprocess_gemma4_images, read_gemma4_processing
 from .image_tokens import ImagePrompt, expand_image_placeholders, read_image_prompt
 from .images import ImageProcessing, preprocess_images, read_image_processing
+from .llava_next_images import preprocess_llava_next_images
 from .lfm2_vl_images import preprocess_lfm2_vl_images, read_lfm2_vl_processing
 from .qwen_processor import QWEN_PROCESSOR_TYPES, QwenVisionProcessor, read_qwen_processor
 from .pixtral_images import preprocess_pixtral_images, read_pixtral_processing
 
 # model_type -> how its prompt writes an image (image_tokens.KINDS)
-PROMPT_KINDS = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3",
-                "mistral3": "pixtral", "gemma4": "gemma4", "lfm2_vl": "lfm2_vl"}
+PROMPT_KINDS = {"llava": "llava", "llava_next": "llava_next", "idefics3": "idefics3", "smolvlm": "idefics3",
+                "gemma3": "gemma3", "mistral3": "pixtral", "gemma4": "gemma4", "lfm2_vl": "lfm2_vl"}
 # processing kinds with their own preprocessing (else images.py's), and the tower inputs
 # beside the pixel values that it makes for ``encode_images``
 PREPROCESSORS = {"pixtral": (preprocess_pixtral_images, ("image_sizes",)),
+                 "llava_next": (preprocess_llava_next_images, ("image_sizes",)),
                  "gemma4": (preprocess_gemma4_images, ("image_position_ids",)),
                  "lfm2_vl": (preprocess_lfm2_vl_images, ("spatial_shapes", "pixel_attention_mask"))}
 
@@ -111,6 +114,12 @@ def read_vision_processor(folder: Path, tokenizer: Tokenizer, config: dict
                "gemma4": lambda: read_gemma4_processing(settings),
                "lfm2_vl": lambda: read_lfm2_vl_processing(settings)}
     processing = readers.get(kind, lambda: read_image_processing(settings))()
+    if kind == "llava_next":  # how many features a view's side has: the tower's patches, as the prompt counts them
+        if processing.kind != "llava_next":
+            raise UserError("a llava_next model needs LlavaNextImageProcessor's settings in preprocessor_config.json "
+                            f"(its anyres views), not {settings.get('image_processor_type')!r}")
+        patch = processor.get("patch_size") or (config.get("vision_config") or {}).get("patch_size", 14)
+        processing = dataclasses.replace(processing, patch_size=patch)
     if kind == "lfm2_vl":  # a tile's tokens follow from the image processor's sizes
         processor = {"tokens_per_tile": processing.view_tokens(processing.tile_size, processing.tile_size), **processor}
     return VisionProcessor(tokenizer, processing, read_image_prompt(kind, processor, config))

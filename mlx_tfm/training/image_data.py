@@ -180,7 +180,8 @@ def encode_image_row(record: dict, processor, folder: Path, where: str) -> Image
     messages, images = conversation_and_images(record, folder, where)
     if images and not (isinstance(processor, VisionProcessor) and not processor.tower_input_names):
         raise UserError(f"{where}: fine-tuning on this model's images is not built yet (its tower takes more than "
-                        "the pixels: Qwen's grids, Pixtral's sizes, Gemma 4's positions, LFM2-VL's patch grids)")
+                        "the pixels: Qwen's grids, Pixtral's and LLaVA-NeXT's sizes, Gemma 4's positions, "
+                        "LFM2-VL's patch grids)")
     n_prompt_images = sum(kind == "image" for m in messages[:-1] for kind, _ in m["content"])
     full = processor.apply_chat_template(rendered(messages, processor), add_generation_prompt=False, tokenize=False)
     prompt = processor.apply_chat_template(rendered(messages[:-1], processor), add_generation_prompt=True,

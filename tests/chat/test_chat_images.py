@@ -225,3 +225,25 @@ def test_lfm2_vl_images_and_a_follow_up(tmp_path):
     assert second == expected([*turns, {"role": "assistant", "content": first}, {"role": "user", "content": "and that"}])
 
 
+def test_llava_next_images_and_a_follow_up(tmp_path):
+    """LLaVA-NeXT (each image's views packed by its size): the answers about the two test
+    images (different grids) and after a follow-up are ``generate``'s over the whole
+    rendered conversation."""
+    from mlx_tfm.generation.stream import generate
+
+    model, processor = load(llava_folder(tmp_path / "llava_next", "llava_next"))
+    for i, image in enumerate(two_images()):
+        image.save(tmp_path / f"{i}.png")
+
+    def expected(messages):
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return generate(model, processor, text, images=two_images(), max_tokens=6, sampler=make_sampler(temp=0.0))
+
+    session = ChatSession(model, processor, Settings(max_tokens=6), on_notice=lambda text: None)
+    run_command(session, f"/image {tmp_path / '0.png'}")
+    run_command(session, f"/image {tmp_path / '1.png'}")
+    first = ask(session, "describe this")
+    turns = [{"role": "user", "content": processor.placeholder * 2 + "describe this"}]
+    assert first == expected(turns) and first.strip()
+    second = ask(session, "and that")
+    assert second == expected([*turns, {"role": "assistant", "content": first}, {"role": "user", "content": "and that"}])

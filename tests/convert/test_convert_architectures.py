@@ -64,7 +64,7 @@ MLX_LM_DIFFERS = {
 # model_types mlx-lm 0.32 has no model file for
 MLX_LM_LACKS = ("arcee", "ministral", "qwen3_5_text", "qwen3_5_moe_text", "hunyuan_v1_moe", "granitemoeshared", "cwm",
                 "vaultgemma", "flex_olmo", "sarvam_moe", "opt", "biogpt",
-                "idefics3", "smolvlm",  # image-text models mlx-lm has no text-only reading of
+                "idefics3", "smolvlm", "llava_next",  # image-text models mlx-lm has no text-only reading of
                 "lfm2_vl")  # mlx-lm's is "lfm2-vl" (transformers 4's name)
 # Cases whose mechanisms mlx-lm 0.32's file of that model_type lacks (its own test covers what it has).
 MLX_LM_NARROWER = {

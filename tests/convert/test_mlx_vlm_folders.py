@@ -1,5 +1,5 @@
 """mlx-vlm's folders (``mlx_vlm.convert``) load here with the same weights and logits, and our
-converted folders load in mlx-vlm, for LLaVA 1.5, Idefics3, SmolVLM, Gemma 3, Qwen3.5 and
+converted folders load in mlx-vlm, for LLaVA 1.5, LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3, Qwen3.5 and
 Qwen3.5-MoE (tiny random models of transformers, as tests/convert/test_convert_architectures.py
 does for mlx-lm)."""
 
@@ -235,3 +235,93 @@ def test_4_bit_qwen3_5_folders_load_both_ways(qwen3_5_source, tmp_path):
     ours = convert(qwen3_5_source, tmp_path / "ours-q4", quantize=True, q_group_size=32, log=lambda *_: None)
     np.testing.assert_allclose(mlx_vlm_qwen3_5_logits(ours, *inputs), our_qwen3_5_logits(ours, *inputs), atol=1e-4,
                                rtol=0)
+
+
+# -- LLaVA-NeXT: mlx-vlm 0.7.10's llava_next does not pack an image's views into its grid
+# (no unpadding, no newline per row), so its image logits are no reference: its tower and
+# projector over the same views, and its language model over text, are ---------------------
+
+
+@pytest.fixture(scope="module")
+def llava_next_source(tmp_path_factory):
+    from fixtures.vision_serving import llava_folder
+
+    """(the transformers 5 folder, its copy with the hub's text_config.rope_theta, which
+    mlx-vlm reads where transformers 5 writes rope_parameters)."""
+    import shutil
+
+    folder = llava_folder(tmp_path_factory.mktemp("llava_next") / "hf", "llava_next")
+    hub_layout(folder, "llava")
+    hub = shutil.copytree(folder, folder.parent / "hub")
+    config = json.loads((hub / "config.json").read_text())
+    config["text_config"]["rope_theta"] = config["text_config"]["rope_parameters"]["rope_theta"]
+    (hub / "config.json").write_text(json.dumps(config))
+    return folder, hub
+
+
+def llava_next_views(folder: Path) -> tuple[list[int], np.ndarray, dict]:
+    from mlx_tfm import load
+
+    _, processor = load(folder)
+    return processor.prepare_inputs("user: <image> and <image> assistant:", two_images())
+
+
+def mlx_vlm_view_features(folder: Path, pixels: np.ndarray) -> np.ndarray:
+    """mlx-vlm's tower (its feature layer, the class token dropped) and projector per view."""
+    from mlx_vlm.utils import load
+
+    model, _ = load(str(folder))
+    *_, hidden_states = model.vision_tower(mx.array(pixels).transpose(0, 2, 3, 1), output_hidden_states=True)
+    return np.array(model.multi_modal_projector(hidden_states[model.vision_feature_layer][:, 1:]))
+
+
+def mlx_vlm_text_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    from mlx_vlm.utils import load
+
+    model, _ = load(str(folder))
+    return np.array(model.language_model(mx.array([ids])).logits[0])
+
+
+def our_view_features(folder: Path, pixels: np.ndarray) -> np.ndarray:
+    from mlx_tfm import load
+
+    model, _ = load(folder)
+    return np.array(model.multi_modal_projector(model.vision_tower(mx.array(pixels))))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["float", "q4"])
+def test_mlx_vlm_llava_next_folders_load_both_ways(llava_next_source, tmp_path, quantize):
+    """mlx-vlm's folder here: our image logits on it equal ours on the transformers folder
+    (float; -q: its quantized weights give its text logits); ours in mlx-vlm: its tower and
+    projector give our views' features, its language model our text logits (the converter
+    restates rope_theta for it)."""
+    from mlx_tfm.convert.converter import convert
+
+    source, hub_source = llava_next_source
+    options = {"quantize": True, "q_group_size": 32} if quantize else {}
+    theirs = mlx_vlm_convert(hub_source, tmp_path / "mlx-vlm", **options)
+    ids, pixels, inputs = llava_next_views(theirs)
+    text = [i for i in ids if i != json.loads((theirs / "config.json").read_text())["image_token_index"]]
+    np.testing.assert_allclose(our_view_features(theirs, pixels), mlx_vlm_view_features(theirs, pixels), atol=1e-5,
+                               rtol=0)
+    np.testing.assert_allclose(our_text_logits(theirs, text), mlx_vlm_text_logits(theirs, text), atol=1e-4, rtol=0)
+    if not quantize:
+        np.testing.assert_allclose(our_image_logits(theirs, ids, pixels, inputs),
+                                   our_image_logits(source, ids, pixels, inputs), atol=1e-5, rtol=0)
+    ours = convert(source, tmp_path / "ours", log=lambda *_: None, **options)
+    np.testing.assert_allclose(mlx_vlm_view_features(ours, pixels), our_view_features(ours, pixels), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(mlx_vlm_text_logits(ours, text), our_text_logits(ours, text), atol=1e-4, rtol=0)
+
+
+def our_text_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    from mlx_tfm import load
+
+    model, _ = load(folder)
+    return np.array(model(mx.array([ids]))[0])
+
+
+def our_image_logits(folder: Path, ids: list[int], pixels: np.ndarray, inputs: dict) -> np.ndarray:
+    from mlx_tfm import load
+
+    model, _ = load(folder)
+    return np.array(model(mx.array([ids]), image_features=model.encode_images(mx.array(pixels), **inputs))[0])

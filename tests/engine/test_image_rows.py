@@ -210,3 +210,25 @@ def test_mistral3_image_rows_carry_their_image_sizes(tmp_path):
         assert request.images.tower_inputs["image_sizes"].tolist() == [list(request.images.pixel_values.shape[2:])]
         results = run(Engine(model, processor, prefill_step_size=5), [text, request])
         assert results[1][0] == expected
+
+
+def test_llava_next_image_rows_carry_their_image_sizes(tmp_path, tower_calls):
+    """LLaVA-NeXT packs each image's views by its original size (image_sizes, one row per
+    view): the two test images (1 x 2 and 2 x 1 views) in one prompt, in chunks beside text
+    rows, give ``generate``'s tokens; the same images again reuse the prefix cache."""
+    model, processor = load(llava_folder(tmp_path, "llava_next"))
+    prompt = "user: describe <image> and <image> assistant:"
+    expected = [r.token for r in stream_generate(model, processor, prompt, images=two_images(), max_tokens=6,
+                                                 sampler=make_sampler(temp=0.0))]
+    request = image_request(processor, prompt, two_images())
+    assert request.images.tower_inputs["image_sizes"].tolist() == [[52, 70]] * 3 + [[77, 41]] * 3
+    assert request.images.tokens_per_image == (16 + 4 * 7, 16 + 8 * 5)
+    text = Request(processor.encode("user: describe this picture and that assistant:"), 6, GREEDY)
+    for step in (2048, 7):
+        results = run(Engine(model, processor, prefill_step_size=step), [text, request, text])
+        assert results[1][0] == expected
+    engine = Engine(model, processor)
+    run(engine, [image_request(processor, prompt, two_images())])
+    tower_calls.clear()
+    (tokens, final), = run(engine, [image_request(processor, prompt, two_images())])
+    assert tokens == expected and final.cached_tokens == len(request.prompt) - 1 and not tower_calls

@@ -180,3 +180,54 @@ def test_convert_q_keeps_the_vision_side_in_float(gemma4_folder, tmp_path):
     np.testing.assert_allclose(np.array(our_features(quantized, inputs)), np.array(our_features(model, inputs)),
                                atol=1e-5, rtol=0)
     assert isinstance(generate(quantized, processor, PROMPT, images=two_images(), max_tokens=3), str)
+
+
+# -- a checkpoint with an audio tower: the tower is dropped, audio refused in one line ------
+
+TINY_AUDIO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[4, 4],
+                  output_proj_dims=32, attention_chunk_size=4, attention_context_left=5, conv_kernel_size=3)
+
+
+@pytest.fixture(scope="module")
+def gemma4_with_audio(tmp_path_factory):
+    from fixtures.gemma4_vision_models import save_processor_files
+
+    folder = tmp_path_factory.mktemp("gemma4_audio")
+    hf = make_gemma4_model(folder, audio_config=TINY_AUDIO)
+    save_processor_files(folder)
+    return hf, folder
+
+
+def test_a_checkpoint_with_an_audio_tower_reads_images_and_text_as_transformers(gemma4_with_audio):
+    import torch
+
+    from mlx_tfm.weights.files import read_safetensors
+
+    hf, folder = gemma4_with_audio
+    assert any(name.startswith("model.audio_tower.") for name in read_safetensors(folder))  # there, and dropped
+    model, _ = load_model(folder)
+    inputs, ids = cut_patches(), prompt_ids()
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([ids]), **torch_inputs(inputs)).logits[0].numpy()
+    np.testing.assert_allclose(np.array(model(mx.array([ids]), image_features=our_features(model, inputs))[0]),
+                               expected, atol=1e-4, rtol=0)
+
+
+def test_an_audio_file_for_the_image_flag_is_one_line(gemma4_with_audio, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import wave
+
+    _, folder = gemma4_with_audio
+    with wave.open(str(tmp_path / "speech.wav"), "wb") as audio:
+        audio.setnchannels(1)
+        audio.setsampwidth(2)
+        audio.setframerate(16000)
+        audio.writeframes(b"\0\0" * 1600)
+    result = subprocess.run([sys.executable, "-m", "mlx_tfm", "generate", "--model", str(folder), "--image",
+                             str(tmp_path / "speech.wav"), "--prompt", PROMPT.replace(" and <|image|>", ""),
+                             "--ignore-chat-template", "--max-tokens", "2"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "speech.wav is not an image" in result.stderr

@@ -159,6 +159,15 @@ def test_bad_images_are_one_line_400s(http, server, url, words):
                  (".url" if words in ("not valid base64", "does not fetch image URLs", "--allow-local-images") else ""))
 
 
+def test_an_input_audio_part_is_a_400_naming_it(http, server):
+    """No model here reads audio (Gemma 4's audio tower is not loaded): OpenAI's input_audio
+    part is refused by name, not as a text part of the wrong type."""
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, audio]}]
+    one_line_400(chat(http, server, messages), "content part 1 is input_audio: audio input is not supported",
+                 param="messages.0")
+
+
 def test_too_many_image_tokens_for_the_context(http, server):
     response = chat(http, server, [image_message(*[0] * 30, text="describe " * 700)])
     assert one_line_400(response, "context")["code"] == "context_length_exceeded"
@@ -292,3 +301,23 @@ def test_lfm2_vl_image_url_parts_answer_as_generate_does(tmp_path):
         body = chat(spec_checking_http_client(), process, messages, temperature=0).json()
         assert body["choices"][0]["message"]["content"] == expected and expected.strip()
         assert body["usage"]["prompt_tokens"] == len(processor.prepare(text, images)[0])
+
+
+def test_llava_next_image_url_parts_answer_as_generate_does(tmp_path):
+    """LLaVA-NeXT (its views packed by each image's size, image_sizes beside the pixels):
+    the two test images as image_url parts give, at temperature 0, the text ``generate``
+    gives alone for the same rendered prompt."""
+    from fixtures.vision_images import two_images
+
+    from mlx_tfm.generation.stream import generate
+
+    folder = llava_folder(tmp_path / "llava_next", "llava_next")
+    messages = [image_message(0, 1)]
+    model, processor = load(folder)
+    text = processor.apply_chat_template([{"role": "user", "content": processor.placeholder * 2 + QUESTION}],
+                                         add_generation_prompt=True, tokenize=False)
+    expected = generate(model, processor, text, images=two_images(), max_tokens=6, sampler=make_sampler(temp=0.0))
+    for process in served("--model", str(folder), "--max-tokens", "6", "--log-level", "warning"):
+        body = chat(spec_checking_http_client(), process, messages, temperature=0).json()
+        assert body["choices"][0]["message"]["content"] == expected and expected.strip()
+        assert body["usage"]["prompt_tokens"] == len(processor.prepare(text, two_images())[0])

@@ -332,12 +332,15 @@ def test_qlora_on_images_trains_over_a_4_bit_language_model(folder, tmp_path):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-def test_images_for_a_tower_that_takes_more_than_pixels_are_refused(tmp_path):
-    """LFM2-VL's tower also takes each view's patch grid, which the image batches do not
-    carry: its image rows are refused in one line naming the row (its text rows train)."""
+@pytest.mark.parametrize("family", ["lfm2_vl", "llava_next"])
+def test_images_for_a_tower_that_takes_more_than_pixels_are_refused(tmp_path, family):
+    """LFM2-VL's tower also takes each view's patch grid, LLaVA-NeXT's each view's image
+    size, which the image batches do not carry: their image rows are refused in one line
+    naming the row (their text rows train)."""
     from fixtures.lfm2_vl_processors import lfm2_vl_folder
+    from fixtures.vision_serving import llava_folder
 
-    folder = lfm2_vl_folder(tmp_path / "lfm2_vl")
+    folder = (lfm2_vl_folder if family == "lfm2_vl" else lambda f: llava_folder(f, "llava_next"))(tmp_path / family)
     write_rows(tmp_path / "data", {"train": [{"text": "describe this"}, ROWS[1]], "valid": [{"text": "a"}]})
     message = refusal(folder, tmp_path / "data")
     assert message.startswith(f"{tmp_path / 'data' / 'train.jsonl'}:2: fine-tuning on this model's images is not built")
