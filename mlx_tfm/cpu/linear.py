@@ -211,6 +211,18 @@ def float32_decode_product(x: mx.array, weight: mx.array) -> mx.array:
     return split_product(x, weight)
 
 
+def dequantized_head_product(x: mx.array, layer: nn.Module, transpose: bool) -> mx.array:
+    """Many rows (a prompt's latents) through small per-head quantized matrices (latent
+    attention's ``embed_q`` and ``unembed_out``, (H, out, in)): the matrices made float32
+    whole, then BLAS. MLX's CPU ``quantized_matmul`` runs on one core, and these matrices
+    are a few hundred KiB, so making them float32 at each call costs less than one product."""
+    weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), group_size=layer.group_size,
+                           bits=layer.bits, mode=layer.mode).astype(mx.float32)
+    out = x.astype(mx.float32) @ (weight.swapaxes(-1, -2) if transpose else weight)
+    # quantized_matmul's type: x's where the scales share it, else float32 (its promotion of two float types)
+    return out.astype(x.dtype) if layer["scales"].dtype == x.dtype else out
+
+
 def fused_products(layers: tuple[nn.Module, ...], x: mx.array, gated: bool = False,
                    heads: tuple[int, ...] | None = None, rope: tuple | None = None) -> list[mx.array] | None:
     """``[layer(x) for layer in layers]`` in one call of mlx_tfm's kernels (one pass of the

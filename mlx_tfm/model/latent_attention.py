@@ -38,6 +38,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cpu import linear as cpu_linear
+from ..cpu import on_cpu
 from ..errors import UserError
 from .attention import attention
 from .cache import CausalRows, KVQuantization, QuantizedKV, QuantizedKVCache, window_mask
@@ -96,6 +98,8 @@ class QuantizedHeadLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
+        if on_cpu() and not cpu_linear.few_rows(x.shape[-2]):  # a prompt's latents
+            return cpu_linear.dequantized_head_product(x, self, transpose)
         return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=transpose,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 

@@ -11,6 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlx_tfm.cpu import generic_routes
 from mlx_tfm.errors import UserError
 from mlx_tfm.model.cache import KVCache, KVQuantization, QuantizedKVCache
 from mlx_tfm.model.config import ModelArgs
@@ -177,6 +178,22 @@ def test_quantized_per_head_matrices_in_both_forms():
     assert isinstance(mla.embed_q, QuantizedHeadLinear) and isinstance(mla.unembed_out, QuantizedHeadLinear)
     np.testing.assert_allclose(mla(x, "causal", absorbed=True), mla(x, "causal", absorbed=False), atol=1e-5, rtol=0)
     assert float(mx.abs(mla(x, "causal") - float_out).max()) < 0.1 * float(mx.abs(float_out).max())
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_quantized_per_head_matrices_over_many_rows_on_the_cpu_route_equal_the_plain_route(transpose, dtype):
+    """A prompt's latents through quantized per-head matrices: made float32 whole on the
+    CPU route, MLX's quantized_matmul on the plain one (Metal's and CUDA's)."""
+    layer_ = HeadLinear(32, 64, 3).to_quantized(group_size=32, bits=4)
+    x = mx.random.normal((2, 1, 40, 32 if transpose else 64), key=mx.random.key(3)).astype(dtype)
+    fast = layer_(x, transpose=transpose)
+    with generic_routes():
+        plain = layer_(x, transpose=transpose)
+    assert fast.dtype == plain.dtype and fast.shape == plain.shape == (2, 3, 40, 64 if transpose else 32)
+    tolerance = 1e-5 if dtype == mx.float32 else 0.05
+    np.testing.assert_allclose(np.array(fast.astype(mx.float32)), np.array(plain.astype(mx.float32)),
+                               atol=tolerance, rtol=0)
 
 
 def test_the_engines_batched_cache_holds_latents_unchanged():
