@@ -1025,3 +1025,22 @@ def test_a_prompt_read_layer_by_layer_holds_fewer_activations_and_the_same_cache
     report = json.loads(done.stdout)
     assert report["same"], report
     assert report["by_layer"] < report["one_layer"] < report["whole"], report
+
+
+POISONED_CHECK = """
+import mlx_tfm, mlx.core as mx, numpy as np
+from mlx_tfm.cpu.kernels import _kernels as K
+from mlx_tfm.cpu.pointwise import rms_norm, soft_cap
+x, weight = mx.random.normal((7, 300)), mx.random.normal((300,))
+plain = mx.fast.rms_norm(x, weight, 1e-5)
+print(K.outputs_poisoned(), bool(np.allclose(np.array(rms_norm(x, weight, 1e-5)), np.array(plain), atol=1e-5)),
+      bool(mx.all(mx.isfinite(soft_cap(x * 1, 2.0))).item()))
+"""
+
+
+def test_poisoned_outputs_start_as_nan_and_the_kernels_write_all_of_them():
+    """MLX_TFM_KERNELS_POISON=1 (CI runs the kernels' and generation's tests so): every
+    output a kernel allocates starts as NaN, so one left partly unwritten fails every time."""
+    env = {**os.environ, "MLX_TFM_KERNELS": "1", "MLX_TFM_KERNELS_POISON": "1"}
+    done = subprocess.run([sys.executable, "-c", POISONED_CHECK], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True", "True"], done.stderr[-2000:]

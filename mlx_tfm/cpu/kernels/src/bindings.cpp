@@ -77,6 +77,8 @@ NB_MODULE(_kernels, m) {
         "Why MLX_TFM_KERNELS_ISA cannot be honoured (a set unknown, or one this CPU lacks), or ''.");
   m.def("int8_isa", [] { return std::string(k::best_int8_kernels().name); },
         "The instruction set of the int8-activation products (avx512vnni, avx2 or generic).");
+  m.def("outputs_poisoned", &k::outputs_poisoned,
+        "Whether every output a kernel allocates starts as NaN (MLX_TFM_KERNELS_POISON=1, for tests).");
   m.def("runnable_isas", &k::runnable_isas, "The instruction sets of this build this CPU runs, best first.");
   m.def("threads", &k::pool_threads, "Threads a product runs on (the caller included).");
   // What mlx_tfm/cpu/kernels/__init__.py may call (its INTERFACE): bump both with every change of it,

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <cstring>
 #include <stdexcept>
@@ -829,7 +830,24 @@ mx::array soft_cap(const mx::array& x, float cap, mx::StreamOrDevice s) {
 
 // -- primitives ---------------------------------------------------------------------------
 
+// MLX_TFM_KERNELS_POISON=1 (tests): every output a kernel allocates starts as NaN (all bits
+// set is a NaN in float32, float16 and bfloat16), so a kernel that leaves some of its output
+// unwritten gives NaN every time, not whatever an earlier array left in a reused buffer.
+bool outputs_poisoned() {
+  static const bool poison = [] {
+    const char* env = std::getenv("MLX_TFM_KERNELS_POISON");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return poison;
+}
+
+
 namespace {
+
+void allocate(mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (outputs_poisoned()) std::memset(out.data<void>(), 0xFF, out.nbytes());
+}
 
 // Whether `out` may be written over `in`'s memory: nothing else reads `in` (MLX's own
 // element-wise ops take such an input's buffer too), and it is laid out as `out` is.
@@ -844,7 +862,7 @@ template <class Compute>
 void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Compute compute,
               int donor = -1) {
   if (donor >= 0 && can_donate(inputs[donor], out)) out.copy_shared_buffer(inputs[donor]);
-  else out.set_data(mx::allocator::malloc(out.nbytes()));
+  else allocate(out);
   auto& encoder = mx::cpu::get_command_encoder(stream);
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
@@ -950,7 +968,7 @@ bool SoftCap::is_equivalent(const mx::Primitive& other) const { return cap_ == s
 void dispatch_outputs(mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
                       OutputsCompute compute) {
   auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (auto& out : outputs) allocate(out);
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (auto& out : outputs) encoder.set_output_array(out);
   std::vector<mx::array> held, outs;

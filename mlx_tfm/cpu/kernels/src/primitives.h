@@ -84,6 +84,9 @@ std::vector<mx::array> fused_products(const mx::array& x, const std::vector<mx::
 // Runs compute(inputs, outputs) on the stream's CPU encoder after MLX's other work there,
 // the outputs given fresh buffers: the body of a multi-output primitive's eval_cpu.
 using OutputsCompute = std::function<void(const std::vector<mx::array>&, std::vector<mx::array>&)>;
+// Whether kernels' outputs start as NaN (MLX_TFM_KERNELS_POISON=1; primitives.cpp says why).
+bool outputs_poisoned();
+
 void dispatch_outputs(mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
                       OutputsCompute compute);
 
