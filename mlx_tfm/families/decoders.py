@@ -365,18 +365,21 @@ GEMMA3_RENAMES = (
 )
 
 
+def saved_language_model_name(name: str) -> str:
+    """transformers 5's in-memory name of an image-text model's language-model tensor
+    (``model.language_model.*``, ``lm_head.*``) -> transformers 4's and mlx-lm's
+    (``language_model.model.*``, ``language_model.lm_head.*``); any other name as it is."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    return name
+
+
 def gemma3_layout(weights: dict) -> dict:
-    """transformers 5's names for a Gemma 3 image-text model (``model.language_model.*``,
-    ``lm_head.*``) -> transformers 4's and mlx-lm's (``language_model.model.*``,
-    ``language_model.lm_head.*``); those pass through."""
-    out = {}
-    for name, tensor in weights.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("lm_head."):
-            name = "language_model." + name
-        out[name] = tensor
-    return out
+    """A Gemma 3 image-text model's names as transformers 4 and mlx-lm save them
+    (``saved_language_model_name``); those pass through."""
+    return {saved_language_model_name(name): tensor for name, tensor in weights.items()}
 
 
 # Decoder-only families with dense feed-forwards, by model_type.

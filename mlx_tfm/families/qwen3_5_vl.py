@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ..model.config import ModelArgs
 from .common import Architecture
+from .decoders import saved_language_model_name
 from .hybrids import (
     HYBRID_DROPS,
     HYBRID_ROUTERS,
@@ -46,15 +47,11 @@ def qwen3_5_layout(weights: dict) -> dict:
     -> the on-disk layout; a folder in that layout passes unchanged."""
     out = {}
     for name, tensor in weights.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("lm_head."):
-            name = "language_model." + name
-        elif name.startswith("vision_tower."):  # mlx-vlm's
+        if name.startswith("vision_tower."):  # mlx-vlm's
             tower_name = name.removeprefix("vision_tower.")
             tensor = channels_first_kernel("visual." + tower_name, tensor)
             name = "model.visual." + tower_name
-        out[name] = tensor
+        out[saved_language_model_name(name)] = tensor
     return mlx_lm_norms_and_conv(out)
 
 

@@ -17,7 +17,7 @@ import re
 from ..errors import UserError
 from ..model.config import ModelArgs
 from .common import COMMON_DROPS, Architecture, activation
-from .decoders import DECODERS
+from .decoders import DECODERS, saved_language_model_name
 from .mlx_vlm import MLX_VLM_RENAMES, channels_first_patches
 from .more_decoders import MORE_DECODERS
 
@@ -174,13 +174,9 @@ def saved_layout(weights: dict) -> dict:
     ``model.vision_tower.*``, ``model.multi_modal_projector.*`` renamed; saved names pass."""
     out = {}
     for name, tensor in weights.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("lm_head."):
-            name = "language_model." + name
-        elif name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) or name == "model.image_newline":
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) or name == "model.image_newline":
             name = name.removeprefix("model.")
-        out[name] = tensor
+        out[saved_language_model_name(name)] = tensor
     return out
 
 
