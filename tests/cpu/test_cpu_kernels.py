@@ -482,13 +482,33 @@ def assert_within(result: mx.array, reference, ulps: float, magnitude=None) -> N
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (1, 37, 100), (2, 3, 5, 7), (4, 1)])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (1, 37, 100), (2, 3, 5, 7), (4, 1), (1, 301, 2048)])
 def test_rms_norm_equals_mlx_fast_rms_norm(dtype, shape):
     x = random(shape, FLOATS[dtype]) * 3
     weight = (random((shape[-1],)) * 0.5 + 1).astype(FLOATS[dtype])
     result = K.rms_norm(x, weight, eps=1e-5)
     assert result.dtype == x.dtype and result.shape == x.shape
     assert_within(result, mx.fast.rms_norm(x, weight, 1e-5), 64)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 70), (2, 301, 2048)])  # one piece; a prompt's rows over every core
+def test_half_rms_norm_rounds_as_mlx(dtype, shape):
+    # MLX rounds the normalized values to the output's type, then multiplies by the weight in
+    # it: the kernel's own float32 normalization (a float32 weight of ones keeps it float32,
+    # unrounded) through those two roundings in MLX ops must be the half result bit for bit.
+    x = random(shape, dtype) * 3
+    weight = (random((shape[-1],)) * 0.5 + 1).astype(dtype)
+    normalized = K.rms_norm(x, mx.ones((shape[-1],)), eps=1e-5)
+    assert normalized.dtype == mx.float32
+    expected = normalized.astype(dtype) * weight
+    assert np.array_equal(np.array(K.rms_norm(x, weight, eps=1e-5).astype(mx.float32)),
+                          np.array(expected.astype(mx.float32)))
+    # a strided input (rows of a transpose) reads the same values as its contiguous copy
+    strided = x.swapaxes(0, -2)
+    contiguous = mx.array(np.array(strided.astype(mx.float32))).astype(dtype)
+    assert np.array_equal(np.array(K.rms_norm(strided, weight, eps=1e-5).astype(mx.float32)),
+                          np.array(K.rms_norm(contiguous, weight, eps=1e-5).astype(mx.float32)))
 
 
 def test_rms_norm_against_the_formula_and_with_a_float32_weight():

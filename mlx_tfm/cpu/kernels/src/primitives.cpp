@@ -88,6 +88,19 @@ float* scratch(Scratch which, size_t count) {
 
 bool starts_on_cache_line(const void* data) { return reinterpret_cast<uintptr_t>(data) % CACHE_LINE_BYTES == 0; }
 
+// compute(i0, i1) over n elementwise values in pieces of at least 16K values on the pool (a
+// decoding step's few thousand stay on this thread), each piece a whole number of 64.
+template <class Compute>
+void in_value_pieces(int64_t n, Compute compute) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
+  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  parallel_for(tasks, [&](int64_t t) {
+    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
+    if (i0 < i1) compute(i0, i1);
+  });
+}
+
+
 // x (any layout, float32 / float16 / bfloat16) as float32, row-major: its own memory when
 // it is that already (and on a cache line, when `aligned`: for inputs a kernel reads
 // again and again), else a copy in scratch `which`.
@@ -98,7 +111,13 @@ const float* as_float32(const mx::array& x, Scratch which = X32, bool aligned = 
   std::vector<uint8_t> bytes_scratch;
   const uint8_t* bytes = contiguous_bytes(x, bytes_scratch);
   const Real type = real_of(x.dtype());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = real_at(bytes, type, i);
+  // On every core, with the instruction set's conversions: element by element, a prompt's
+  // (512, 2048) float16 activations took longer to read than the RMSNorm that reads them.
+  const int64_t size = static_cast<int64_t>(x.itemsize());
+  const Kernels& kernels = best_kernels();
+  in_value_pieces(static_cast<int64_t>(x.size()), [&](int64_t i0, int64_t i1) {
+    kernels.to_float32_rows(bytes + i0 * size, type, i1 - i0, out + i0, 0, 1);
+  });
   return out;
 }
 
@@ -109,13 +128,14 @@ float* result_buffer(mx::array& out) {
 
 // The float32 results written into `out` in its dtype (nothing to do for float32).
 void store(const float* y, mx::array& out) {
-  if (out.dtype() == mx::float16) {
-    auto* dst = out.data<mx::float16_t>();
-    for (size_t i = 0; i < out.size(); ++i) dst[i] = static_cast<mx::float16_t>(y[i]);
-  } else if (out.dtype() == mx::bfloat16) {
-    auto* dst = out.data<mx::bfloat16_t>();
-    for (size_t i = 0; i < out.size(); ++i) dst[i] = static_cast<mx::bfloat16_t>(y[i]);
-  }
+  if (out.dtype() == mx::float32) return;
+  // On every core, vectorised (F16C, or bfloat16's rounding shift), as MLX's astype rounds.
+  const Real type = real_of(out.dtype());
+  uint8_t* dst = out.data<uint8_t>();
+  const Kernels& kernels = best_kernels();
+  in_value_pieces(static_cast<int64_t>(out.size()), [&](int64_t i0, int64_t i1) {
+    kernels.from_float32(y + i0, type, dst + i0 * 2, i1 - i0);  // 16-bit outputs
+  });
 }
 
 // -- splitting the rows of a product over the pool -------------------------------------
@@ -434,16 +454,22 @@ void rms_normalized(const mx::array& x, const mx::array& weight, float eps, mx::
     return;
   }
   // Half precision: MLX rounds the normalized values to the output's type, then multiplies
-  // by the weight in that type.
+  // by the weight in that type (a product of two 16-bit values is exact in float32, so one
+  // rounding of it is MLX's). Rows on every core, each row's roundings vectorised.
   float* normalized = scratch(RESULT, x.size());
-  kernels.rms_norm_rows(x32, nullptr, eps, d, normalized, 0, rows);
-  auto finish = [&](auto* dst, auto cast) {
-    for (int64_t i = 0; i < rows * d; ++i) dst[i] = cast(cast(normalized[i]) * cast(w32[i % d]));
-  };
-  if (out.dtype() == mx::float16)
-    finish(out.data<mx::float16_t>(), [](float v) { return static_cast<float>(static_cast<mx::float16_t>(v)); });
-  else
-    finish(out.data<mx::bfloat16_t>(), [](float v) { return static_cast<float>(static_cast<mx::bfloat16_t>(v)); });
+  const Real type = real_of(out.dtype());
+  uint8_t* dst = out.data<uint8_t>();
+  over_rows(rows, d * 4, [&](int64_t r0, int64_t r1) {
+    kernels.rms_norm_rows(x32, nullptr, eps, d, normalized, r0, r1);
+    float* v = normalized + r0 * d;
+    uint8_t* o = dst + r0 * d * 2;  // 16-bit outputs
+    const int64_t n = (r1 - r0) * d;
+    kernels.from_float32(v, type, o, n);  // normalized, rounded to the output's type
+    kernels.to_float32_rows(o, type, n, v, 0, 1);
+    for (int64_t r = 0; r < r1 - r0; ++r)
+      for (int64_t j = 0; j < d; ++j) v[r * d + j] *= w32[j];
+    kernels.from_float32(v, type, o, n);
+  });
 }
 
 // RoPE's angles at one position: cos and sin of position * scale / period_i, i < dims / 2.
@@ -528,18 +554,6 @@ void logsumexp_of_rows(const mx::array& x, mx::array& out) {
     else kernels.logsumexp_rows(x32, n, y, 0, rows);
   });
   store(y, out);
-}
-
-// compute(i0, i1) over n elementwise values in pieces of at least 16K values on the pool (a
-// decoding step's few thousand stay on this thread), each piece a whole number of 64.
-template <class Compute>
-void in_value_pieces(int64_t n, Compute compute) {
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(n / (16 << 10), 4 * pool_threads()));
-  const int64_t step = ((n + tasks - 1) / tasks + 63) / 64 * 64;
-  parallel_for(tasks, [&](int64_t t) {
-    const int64_t i0 = t * step, i1 = std::min(n, i0 + step);
-    if (i0 < i1) compute(i0, i1);
-  });
 }
 
 void silu_multiplied(const mx::array& gate, const mx::array& up, mx::array& out) {
