@@ -90,6 +90,7 @@ class Batch:
     tokens: np.ndarray  # (B, T) int32, zero-padded
     lengths: np.ndarray  # (B, 2) int32: (prompt_length, length)
     pixel_values: np.ndarray | None = None  # (n_views, C, H, W): the rows' images (image_data.py)
+    tower_inputs: dict | None = None  # the tower's other inputs, a row per view (image_data.py)
 
 
 def pad_batch(examples: list[Example], pad_to: int = 8) -> Batch:

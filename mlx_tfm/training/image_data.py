@@ -34,6 +34,9 @@ from .data import Batch, LengthGroupedBatches, pad_batch
 QUESTION_KEYS = ("question", "prompt")
 ANSWER_KEYS = ("answer", "caption", "completion")
 IMAGE_KEYS = ("images", "image")
+# processors whose towers take more than the pixels and whose training is not built (or not
+# yet checked against the generate path); Qwen's processor is not a VisionProcessor at all
+UNTRAINED_KINDS = ("pixtral", "gemma4")
 
 
 class ImageExample(NamedTuple):
@@ -42,6 +45,8 @@ class ImageExample(NamedTuple):
     tokens: list[int]
     prompt_length: int
     pixel_values: np.ndarray | None  # (n_views, C, H, W) float32; None: a text-only row
+    # encode_images' other inputs, a row per view (LLaVA-NeXT's image_sizes, LFM2-VL's spatial_shapes)
+    tower_inputs: dict | None = None
 
 
 # -- where a row's images are ---------------------------------------------------------
@@ -178,21 +183,21 @@ def encode_image_row(record: dict, processor, folder: Path, where: str) -> Image
     """One row -> its tokens (image placeholders expanded), the prompt's length (all but
     the last turn, with the generation prompt) and the pixel values of its images."""
     messages, images = conversation_and_images(record, folder, where)
-    if images and not (isinstance(processor, VisionProcessor) and not processor.tower_input_names):
-        raise UserError(f"{where}: fine-tuning on this model's images is not built yet (its tower takes more than "
-                        "the pixels: Qwen's grids, Pixtral's and LLaVA-NeXT's sizes, Gemma 4's positions, "
-                        "LFM2-VL's patch grids)")
+    if images and not (isinstance(processor, VisionProcessor) and processor.processing.kind not in UNTRAINED_KINDS):
+        raise UserError(f"{where}: fine-tuning on this model's images is not built yet (Qwen's grids and M-RoPE "
+                        "positions, Pixtral's image sizes, Gemma 4's positions)")
     n_prompt_images = sum(kind == "image" for m in messages[:-1] for kind, _ in m["content"])
     full = processor.apply_chat_template(rendered(messages, processor), add_generation_prompt=False, tokenize=False)
     prompt = processor.apply_chat_template(rendered(messages[:-1], processor), add_generation_prompt=True,
                                            tokenize=False)
     try:
-        tokens, pixel_values = processor.prepare(full, images)
+        tokens, pixel_values, tower_inputs = processor.prepare_inputs(full, images)
         prompt_tokens, _ = processor.prepare(prompt, images[:n_prompt_images])
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     pixels = pixel_values.astype(np.float32) if images else None
-    return ImageExample(with_eos(list(tokens), processor.eos_token_id), len(prompt_tokens), pixels)
+    return ImageExample(with_eos(list(tokens), processor.eos_token_id), len(prompt_tokens), pixels,
+                        tower_inputs if images else None)
 
 
 # -- a split ------------------------------------------------------------------------------
@@ -264,6 +269,12 @@ class ImageBatches(LengthGroupedBatches):
 
     def collate(self, examples: list[ImageExample]) -> Batch:
         batch = pad_batch([(e.tokens, e.prompt_length) for e in examples], self.pad_to)
-        views = [e.pixel_values for e in examples if e.pixel_values is not None]
+        with_images = [e for e in examples if e.pixel_values is not None]
+        if len({e.pixel_values.shape[1:] for e in with_images}) > 1:
+            raise UserError("this batch's images resize to different view sizes (Pixtral's): use --batch-size 1")
+        views = [e.pixel_values for e in with_images]
         batch.pixel_values = np.concatenate(views) if views else None  # (n_views, C, H, W)
+        names = with_images[0].tower_inputs if with_images else None
+        batch.tower_inputs = {name: np.concatenate([e.tower_inputs[name] for e in with_images])
+                              for name in names} if names else None  # a row per view
         return batch

@@ -25,13 +25,14 @@ def features_in_place(embeddings: mx.array, is_image: mx.array, features: mx.arr
     return mx.where(is_image[..., None], placed, embeddings)
 
 
-def image_hidden_states(model, inputs: mx.array, pixel_values: mx.array | None) -> mx.array:
+def image_hidden_states(model, inputs: mx.array, pixel_values: mx.array | None,
+                        tower_inputs: dict | None = None) -> mx.array:
     """The language model's last hidden states (B, L, D) over ``inputs`` (B, L) whose image
-    tokens read the features of ``pixel_values`` (n_views, C, H, W)."""
+    tokens read the features of ``pixel_values`` (n_views, C, H, W) and ``tower_inputs``."""
     if pixel_values is None:
         return model.model(inputs)
     is_image = inputs == model.vision_args.image_token_id
-    features = model.encode_images(pixel_values)  # (n_image_tokens, D)
+    features = model.encode_images(pixel_values, **(tower_inputs or {}))  # (n_image_tokens, D)
     embeddings = features_in_place(model.embed_tokens(inputs, is_image), is_image, features)
     mask = None
     if model.vision_args.image_attention == "bidirectional":  # Gemma 3: an image's tokens see each other
@@ -40,13 +41,15 @@ def image_hidden_states(model, inputs: mx.array, pixel_values: mx.array | None) 
     return model.model(inputs, mask, input_embeddings=embeddings)
 
 
-def image_loss(model, tokens: mx.array, lengths: mx.array, pixel_values: mx.array | None = None):
+def image_loss(model, tokens: mx.array, lengths: mx.array, pixel_values: mx.array | None = None,
+               tower_inputs: dict | None = None):
     """Mean next-token cross-entropy over the counted text targets of rows (B, T) with
-    their (prompt_length, length) (B, 2) and images, and how many targets there were."""
+    their (prompt_length, length) (B, 2) and images (and the tower's other inputs, a row
+    per view), and how many targets there were."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     image_targets = targets == model.vision_args.image_token_id
     mask = target_mask(lengths, targets.shape[1]) & ~image_targets
     targets = mx.where(image_targets, 0, targets)  # an id inside the vocabulary; masked out anyway
     ntoks = mask.sum()
-    hidden = image_hidden_states(model, inputs, pixel_values)  # (B, L, D)
+    hidden = image_hidden_states(model, inputs, pixel_values, tower_inputs)  # (B, L, D)
     return cross_entropy_sum(model, hidden, targets, mask) / mx.maximum(ntoks, 1), ntoks

@@ -119,7 +119,10 @@ def batch_arrays(batch: Batch) -> tuple:
     """The loss's array arguments of a batch after the model: tokens, lengths, and the
     pixel values of a batch with images (the loss then takes them third)."""
     arrays = (mx.array(batch.tokens), mx.array(batch.lengths))
-    return arrays if batch.pixel_values is None else (*arrays, mx.array(batch.pixel_values))
+    if batch.pixel_values is None:
+        return arrays
+    arrays = (*arrays, mx.array(batch.pixel_values))
+    return arrays if not batch.tower_inputs else (*arrays, {k: mx.array(v) for k, v in batch.tower_inputs.items()})
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], loss=loss_fn, group=None) -> float:
@@ -224,24 +227,26 @@ def make_step(model: nn.Module, optimizer: optim.Optimizer, args: TrainingArgs, 
         optimizer.update(model, grads)
         return value, ntoks, grad_norm, layer_norms
 
-    @partial(mx.compile, inputs=state, outputs=state)
-    def full_step(*arrays):  # tokens, lengths[, pixel values]
+    def plain_step(*arrays):  # tokens, lengths[, pixel values[, tower inputs]]
         (value, ntoks), grads = loss_and_grad(model, *arrays)
         return update(value, ntoks, grads)
 
-    @partial(mx.compile, inputs=state, outputs=state)
-    def micro_grads(*arrays):
+    def plain_grads(*arrays):
         (value, ntoks), grads = loss_and_grad(model, *arrays)
         return value, ntoks, grads
 
+    full_step, micro_grads = (partial(mx.compile, inputs=state, outputs=state)(f) for f in (plain_step, plain_grads))
     compiled_update = mx.compile(update, inputs=state, outputs=state)
 
     def step(micro_batches: list[Batch]):
+        # a tower that reads its other inputs' values on the host (LLaVA-NeXT's image sizes,
+        # LFM2-VL's patch grids) cannot be traced: such batches run uncompiled
+        host_read = any(batch.tower_inputs for batch in micro_batches)
         if len(micro_batches) == 1:
-            return full_step(*batch_arrays(micro_batches[0]))
+            return (plain_step if host_read else full_step)(*batch_arrays(micro_batches[0]))
         loss_sum, ntoks_sum, grad_sum = mx.array(0.0), mx.array(0), None
         for batch in micro_batches:
-            value, ntoks, grads = micro_grads(*batch_arrays(batch))
+            value, ntoks, grads = (plain_grads if host_read else micro_grads)(*batch_arrays(batch))
             # mean x count: this micro-batch's sum over its tokens
             grads = tree_map(lambda g: g * ntoks.astype(g.dtype), grads)
             grad_sum = grads if grad_sum is None else tree_map(mx.add, grad_sum, grads)
